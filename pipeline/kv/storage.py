@@ -1,0 +1,228 @@
+"""Flattened variable-length KV storage for one layer.
+
+Layout (the "varlen" layout of flash-attn / vLLM, with each (row, KV head) pair as its own
+sequence): entries of all segments live in one flat buffer
+
+    keys, values : (C, D)   C = total capacity, D = head_dim
+    positions    : (C,)     int32 original token position of the entry, -1 = not a real entry
+
+Segment ``s = row * H_kv + head`` occupies ``[start[s], start[s] + length[s])``; ``capacity[s]``
+slots are reserved for it. Memory held is therefore the sum of kept entries (plus whatever
+growth room was asked for), never a padded (B, H, max_len, D) rectangle and never a mask over
+the full cache. Order inside a segment does not matter for attention (keys are stored after
+RoPE), so eviction may reorder entries; original positions are kept alongside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class VarLenLayer:
+    """Per-layer store of kept K/V entries for ``num_rows`` x ``num_heads`` segments."""
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        start: torch.Tensor,
+        length: torch.Tensor,
+        capacity: torch.Tensor,
+        num_rows: int,
+        num_heads: int,
+    ) -> None:
+        self.keys = keys
+        self.values = values
+        self.positions = positions
+        self.start = start
+        self.length = length
+        self.capacity = capacity
+        self.num_rows = num_rows
+        self.num_heads = num_heads
+        # optional per-entry statistics for the decode-time cap (same indexing as keys)
+        self.acc_attention: torch.Tensor | None = None
+        self.value_norm: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dense(
+        cls,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> "VarLenLayer":
+        """Build from dense prefill states.
+
+        key, value: (B, H, n, D); positions: (B, n) int, -1 for padding; keep: (B, H, n) bool.
+        Kept entries are copied into fresh, exactly-sized buffers (the dense tensors can be freed).
+        """
+        bsz, heads, n, dim = key.shape
+        keep = keep & (positions >= 0)[:, None, :]
+        length = keep.sum(-1).reshape(-1).to(torch.long)  # (S,)
+        start = torch.zeros_like(length)
+        if length.numel() > 1:
+            start[1:] = torch.cumsum(length, 0)[:-1]
+        flat_keep = keep.reshape(-1)
+        keys = key.reshape(-1, dim)[flat_keep].contiguous()
+        values = value.reshape(-1, dim)[flat_keep].contiguous()
+        pos = positions[:, None, :].expand(bsz, heads, n).reshape(-1)[flat_keep].to(torch.int32).contiguous()
+        return cls(keys, values, pos, start, length, length.clone(), bsz, heads)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_segments(self) -> int:
+        return self.num_rows * self.num_heads
+
+    @property
+    def max_length(self) -> int:
+        return int(self.length.max()) if self.length.numel() else 0
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds (K, V, positions, segment table, statistics)."""
+        tensors = [self.keys, self.values, self.positions, self.start, self.length, self.capacity]
+        tensors += [t for t in (self.acc_attention, self.value_norm) if t is not None]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    def is_rectangular(self) -> bool:
+        """True when every segment has the same capacity and segments are back to back."""
+        cap = self.capacity
+        if cap.numel() == 0 or not bool((cap == cap[0]).all()):
+            return False
+        expected = torch.arange(cap.numel(), device=cap.device) * cap[0]
+        return bool((self.start == expected).all()) and self.keys.shape[0] == int(cap.sum())
+
+    # ------------------------------------------------------------------ growth / append
+    def reserve(self, extra: int, slack: int = 0) -> None:
+        """Make room for ``extra`` more entries in every segment (at most one reallocation).
+
+        When a reallocation is needed, ``slack`` further slots per segment are added so that
+        token-by-token appends do not reallocate at every step.
+        """
+        need = self.length + extra
+        if bool((need <= self.capacity).all()):
+            return
+        new_cap = torch.maximum(self.capacity, need + slack)
+        self._relayout(new_cap)
+
+    def _relayout(self, new_capacity: torch.Tensor) -> None:
+        """Copy every segment into a fresh buffer with the given per-segment capacities."""
+        new_start = torch.zeros_like(new_capacity)
+        if new_capacity.numel() > 1:
+            new_start[1:] = torch.cumsum(new_capacity, 0)[:-1]
+        total = int(new_capacity.sum())
+        src, dst = self._segment_index(self.start), self._segment_index(new_start)
+        dim = self.keys.shape[-1]
+        keys = self.keys.new_zeros(total, dim)
+        values = self.values.new_zeros(total, dim)
+        positions = torch.full((total,), -1, dtype=torch.int32, device=self.positions.device)
+        keys[dst] = self.keys[src]
+        values[dst] = self.values[src]
+        positions[dst] = self.positions[src]
+        for name in ("acc_attention", "value_norm"):
+            old = getattr(self, name)
+            if old is not None:
+                new = old.new_zeros(total)
+                new[dst] = old[src]
+                setattr(self, name, new)
+        self.keys, self.values, self.positions = keys, values, positions
+        self.start, self.capacity = new_start, new_capacity.clone()
+
+    def _segment_index(self, start: torch.Tensor) -> torch.Tensor:
+        """Flat indices of the live entries of every segment, given segment starts."""
+        total = int(self.length.sum())
+        if total == 0:
+            return torch.zeros(0, dtype=torch.long, device=self.length.device)
+        seg = torch.repeat_interleave(torch.arange(self.num_segments, device=self.length.device), self.length)
+        first = torch.cumsum(self.length, 0) - self.length
+        offset = torch.arange(total, device=self.length.device) - first[seg]
+        return start[seg] + offset
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append T new tokens to every segment of their row.
+
+        key, value: (B, H, T, D); positions: (B, T) int (-1 marks padding, which is stored but
+        never attended to). Returns the flat indices (S, T) the tokens were written to.
+        """
+        bsz, heads, t, dim = key.shape
+        self.reserve(t, slack=max(16, t))
+        idx = self.start[:, None] + self.length[:, None] + torch.arange(t, device=self.start.device)
+        self.keys[idx.reshape(-1)] = key.reshape(-1, dim).to(self.keys.dtype)
+        self.values[idx.reshape(-1)] = value.reshape(-1, dim).to(self.values.dtype)
+        pos = positions[:, None, :].expand(bsz, heads, t).reshape(-1).to(torch.int32)
+        self.positions[idx.reshape(-1)] = pos
+        if self.acc_attention is not None:
+            self.acc_attention[idx.reshape(-1)] = 0.0
+        self.length = self.length + t
+        return idx
+
+    # ------------------------------------------------------------------ reading
+    def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, L) flat indices of each segment's slots and a (S, L) bool of live slots, L = max length."""
+        max_len = self.max_length
+        ar = torch.arange(max_len, device=self.start.device)
+        live = ar[None, :] < self.length[:, None]
+        index = (self.start[:, None] + ar[None, :]).clamp(max=max(self.keys.shape[0] - 1, 0))
+        return index, live
+
+    def padded_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values (S, L, D) and positions (S, L) (-1 where no live entry).
+
+        Zero-copy when the layout is rectangular (uniform budgets); otherwise one gather.
+        """
+        max_len = self.max_length
+        dim = self.keys.shape[-1]
+        if self.is_rectangular() and int(self.capacity[0]) >= max_len:
+            cap = int(self.capacity[0])
+            keys = self.keys.view(self.num_segments, cap, dim)[:, :max_len]
+            values = self.values.view(self.num_segments, cap, dim)[:, :max_len]
+            pos = self.positions.view(self.num_segments, cap)[:, :max_len]
+            live = torch.arange(max_len, device=pos.device)[None, :] < self.length[:, None]
+            return keys, values, torch.where(live, pos, torch.full_like(pos, -1))
+        index, live = self.padded_index()
+        pos = torch.where(live, self.positions[index], torch.full_like(index, -1, dtype=torch.int32))
+        return self.keys[index], self.values[index], pos
+
+    def segment_positions(self, row: int, head: int) -> torch.Tensor:
+        """Sorted original positions held by segment (row, head), padding excluded."""
+        s = row * self.num_heads + head
+        begin = int(self.start[s])
+        pos = self.positions[begin : begin + int(self.length[s])]
+        return torch.sort(pos[pos >= 0]).values
+
+    # ------------------------------------------------------------------ rollback / eviction
+    def truncate(self, length: torch.Tensor) -> None:
+        """Forget entries appended after a snapshot of ``length`` (no eviction happened since)."""
+        self.length = length.clone()
+
+    def compact(self, keep_live: torch.Tensor) -> None:
+        """Keep only the live entries selected by ``keep_live`` ((S, L) bool over padded slots).
+
+        Rebuilds exactly-sized buffers (memory is released, not masked).
+        """
+        index, live = self.padded_index()
+        keep_live = keep_live & live
+        new_len = keep_live.sum(-1)
+        flat = index[keep_live]  # row-major: segment order preserved
+        self.keys = self.keys[flat].contiguous()
+        self.values = self.values[flat].contiguous()
+        self.positions = self.positions[flat].contiguous()
+        for name in ("acc_attention", "value_norm"):
+            old = getattr(self, name)
+            if old is not None:
+                setattr(self, name, old[flat].contiguous())
+        self.length = new_len.to(torch.long)
+        self.capacity = self.length.clone()
+        self.start = torch.zeros_like(self.length)
+        if self.length.numel() > 1:
+            self.start[1:] = torch.cumsum(self.length, 0)[:-1]
+
+    def clone(self) -> "VarLenLayer":
+        copy = VarLenLayer(
+            self.keys.clone(), self.values.clone(), self.positions.clone(), self.start.clone(),
+            self.length.clone(), self.capacity.clone(), self.num_rows, self.num_heads,
+        )
+        copy.acc_attention = None if self.acc_attention is None else self.acc_attention.clone()
+        copy.value_norm = None if self.value_norm is None else self.value_norm.clone()
+        return copy

@@ -1,0 +1,79 @@
+"""Tiny randomly initialised models and a byte-level tokenizer built in code (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from pipeline.engine.loading import LoadedModel
+
+SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer(chat: bool = True) -> PreTrainedTokenizerFast:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    for s in SPECIALS:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|user|>", "<|assistant|>"],
+    )
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+ARCHS = {
+    # name: (config class, model class, heads, kv heads) -- GQA for all but llama-mha
+    "llama": (LlamaConfig, LlamaForCausalLM, 4, 2),
+    "llama-mha": (LlamaConfig, LlamaForCausalLM, 4, 4),
+    "mistral": (MistralConfig, MistralForCausalLM, 6, 2),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, 4, 2),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, 4, 1),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, head_dim: int = 16) -> torch.nn.Module:
+    cfg_cls, model_cls, heads, kv_heads = ARCHS[arch]
+    torch.manual_seed(seed)
+    kwargs = dict(
+        vocab_size=264, hidden_size=heads * head_dim, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = head_dim
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    model = model_cls(cfg_cls(**kwargs)).eval()
+    # random init with small std gives near-uniform attention; widen it so selection matters
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and ("proj" in name):
+                p.normal_(0.0, 0.15)
+    model.generation_config.eos_token_id = 257
+    model.generation_config.pad_token_id = 258
+    return model
+
+
+def tiny_loaded(arch: str = "llama", seed: int = 0, chat: bool = True, **kw) -> LoadedModel:
+    return LoadedModel(tiny_model(arch, seed, **kw), tiny_tokenizer(chat), f"tiny-{arch}", torch.device("cpu"), torch.float32, 0.0)
