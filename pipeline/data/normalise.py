@@ -111,6 +111,10 @@ def _kind(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
 def _text(value: object, what: str, errors: list[str]) -> str | None:
     """A usable non-blank string, or None with the reason appended to ``errors``."""
     if isinstance(value, bytes):
@@ -122,7 +126,7 @@ def _text(value: object, what: str, errors: list[str]) -> str | None:
     if value is None:
         errors.append(f"{what} is null or missing")
     elif not isinstance(value, str):
-        errors.append(f"{what} is a {_kind(value)}, expected a string")
+        errors.append(f"{what} is {_a(_kind(value))}, expected a string")
     elif not value.strip():
         errors.append(f"{what} is {'empty' if not value else 'only whitespace'}")
     else:
@@ -137,7 +141,7 @@ def _refs(value: object, what: str, errors: list[str]) -> list[str] | None:
         return [value]
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) or v is None for v in value):
         return [v for v in value if v is not None]
-    errors.append(f"{what} is a {_kind(value)}, expected a string or a list of strings")
+    errors.append(f"{what} is {_a(_kind(value))}, expected a string or a list of strings")
     return None
 
 
@@ -163,7 +167,7 @@ def _parse_row(row: dict, cols: dict[str, Any], where: str) -> dict:
         ids = [None if raw_ids is None else str(raw_ids)]
         refs = [_refs(raw_refs, f"{where}reference", errors)]
     elif not isinstance(raw_q, (list, tuple)) or not raw_q:
-        errors.append(f"{where}questions is {'an empty list' if isinstance(raw_q, (list, tuple)) else 'a ' + _kind(raw_q)}, expected a non-empty list of strings")
+        errors.append(f"{where}questions is {'an empty list' if isinstance(raw_q, (list, tuple)) else _a(_kind(raw_q))}, expected a non-empty list of strings")
         questions, ids, refs = [None], [None], [None]
     else:
         questions = [_text(q, f"{where}question {i}", errors) for i, q in enumerate(raw_q)]
@@ -174,16 +178,20 @@ def _parse_row(row: dict, cols: dict[str, Any], where: str) -> dict:
             else:
                 errors.append(f"{where}question_ids must be a list of {len(questions)} ids, got {raw_ids!r}"[:300])
         refs = [None] * len(questions)
-        if isinstance(raw_refs, str) or (isinstance(raw_refs, (list, tuple)) and len(questions) == 1
-                                         and all(isinstance(r, str) for r in raw_refs)):
+        flat = isinstance(raw_refs, str) or (
+            isinstance(raw_refs, (list, tuple)) and all(isinstance(r, str) for r in raw_refs))
+        if raw_refs is None:
+            pass
+        elif len(questions) == 1 and flat:  # all references of the only question
             refs = [_refs(raw_refs, f"{where}references", errors)]
         elif isinstance(raw_refs, (list, tuple)) and len(raw_refs) == len(questions):
             refs = [_refs(r, f"{where}references[{i}]", errors) for i, r in enumerate(raw_refs)]
-        elif raw_refs is not None:
-            errors.append(f"{where}references must hold one entry per question ({len(questions)}), got {_kind(raw_refs)}")
+        else:
+            errors.append(f"{where}references must hold one entry per question ({len(questions)}), "
+                          f"got {_a(_kind(raw_refs))}" + (f" of {len(raw_refs)}" if isinstance(raw_refs, list) else ""))
     prefix = get("answer_prefix")
     if prefix is not None and not isinstance(prefix, str):
-        errors.append(f"{where}answer_prefix is a {_kind(prefix)}, expected a string")
+        errors.append(f"{where}answer_prefix is {_a(_kind(prefix))}, expected a string")
         prefix = None
     doc_id = get("id")
     doc_id = None if doc_id is None or (isinstance(doc_id, str) and not doc_id.strip()) else str(doc_id)

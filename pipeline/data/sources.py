@@ -40,11 +40,18 @@ class DataSourceError(ValueError):
 
 
 def _kind(value: object) -> str:
+    """The JSON type of a parsed value, with its article ("a string", "an object")."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, (int, float)):
         return "number"
     return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
 
 
 def _column(name: str, values: list, lines: list[int], errors: list[list[str]], strict: bool) -> pa.Array:
@@ -59,7 +66,7 @@ def _column(name: str, values: list, lines: list[int], errors: list[list[str]], 
     for i, value in enumerate(values):
         if value is not None and _kind(value) != main:
             if strict:
-                errors[i].append(f"line {lines[i]}: field {name!r} is a {_kind(value)}, expected a {main} like the other lines")
+                errors[i].append(f"line {lines[i]}: field {name!r} is {_a(_kind(value))}, expected {_a(main)} like the other lines")
             value = None
         kept.append(value)
     try:
@@ -97,7 +104,7 @@ def read_jsonl(path: str | os.PathLike, fields: Collection[str] | None = None) -
     rows, lines, errors = [], [], []
     for number, record, problem in items:
         if problem is None and not isinstance(record, dict):
-            problem = f"expected a JSON object, got a {_kind(record)}"
+            problem = f"expected a JSON object, got {_a(_kind(record))}"
         if problem is None:
             try:
                 json.dumps(record, ensure_ascii=False).encode("utf-8")
@@ -106,6 +113,8 @@ def read_jsonl(path: str | os.PathLike, fields: Collection[str] | None = None) -
         rows.append(record if problem is None else {})
         lines.append(number)
         errors.append([] if problem is None else [f"line {number}: {problem}"])
+        if problem is None and isinstance(record.get("input_error"), str):  # a normalised file
+            errors[-1].append(record["input_error"])
     names = list(dict.fromkeys(k for row in rows for k in row if k not in ("input_error", "input_line")))
     arrays = [
         _column(name, [row.get(name) for row in rows], lines, errors, fields is None or name in fields)

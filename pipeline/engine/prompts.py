@@ -45,8 +45,8 @@ class PromptBuilder:
             head, rest = rendered.split(_CTX, 1)
             _, tail = rest.split(_QST, 1)
             self.head, self.tail = head, tail
-        elif getattr(tokenizer, "bos_token_id", None) is not None and getattr(tokenizer, "add_bos_token", True):
-            self.bos = [tokenizer.bos_token_id]
+        else:  # whatever special prefix (BOS) the tokenizer itself adds to a sequence
+            self.bos = list(tokenizer("", add_special_tokens=True)["input_ids"])
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []

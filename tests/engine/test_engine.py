@@ -1,0 +1,144 @@
+"""Engine behaviour on tiny random models: equals plain transformers generation, batching and
+multi-question answering do not change results, prompts and errors are handled."""
+
+import json
+
+import pytest
+import torch
+
+from pipeline.config import METHODS, CompressionConfig, GenerationConfig, ModelConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.loading import ModelNotFoundError, load_model
+from pipeline.engine.prompts import ContextTooLongError, PromptBuilder
+from pipeline.engine.types import Request
+from tests.tiny import tiny_loaded, tiny_model, tiny_tokenizer
+
+TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+
+
+def _engine(arch="llama", method="none", cache_size=1.0, batch_size=1, max_new=10, priors=None, **kw):
+    extra = {"head_priors": priors} if priors else {}
+    comp = CompressionConfig(method=method, cache_size=cache_size, window=4, kernel=3, **extra, **kw)
+    return Engine(tiny_loaded(arch), comp, GenerationConfig(max_new_tokens=max_new, batch_size=batch_size))
+
+
+@pytest.fixture(scope="module")
+def priors(tmp_path_factory):
+    path = tmp_path_factory.mktemp("p") / "heads.json"
+    path.write_text(json.dumps({"scores": [[0.9, 0.1], [0.2, 0.8]]}))
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_engine_equals_plain_generate(arch):
+    engine = _engine(arch, max_new=12)
+    request = Request("d", TEXT * 3, ["Who jumps?"], answer_prefix="It is")
+    answer = engine.generate([request])[0]
+    prompt = engine.prompts.encode(request.context, request.questions, request.answer_prefix)
+    ids = torch.tensor([prompt.context_ids + prompt.question_ids[0]])
+    reference = tiny_model(arch)  # same seed, default sdpa attention, transformers' own cache
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+    new = out[0, ids.shape[1] :].tolist()
+    if 257 in new:
+        new = new[: new.index(257)]
+    assert answer.prediction == engine.tokenizer.decode(new, skip_special_tokens=True)
+    assert answer.error is None
+    assert answer.context_tokens == len(prompt.context_ids)
+    assert answer.question_tokens == len(prompt.question_ids[0])
+    assert 1 <= answer.generated_tokens <= 12
+    assert answer.kv_entries_full == answer.kv_entries_kept == len(prompt.context_ids) * 2 * engine.num_kv_heads
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_equals_one_by_one(method, priors):
+    requests = [
+        Request("a", TEXT * 4, ["What is packed?"]),
+        Request("b", TEXT[:50], ["Who is lazy?"], answer_prefix="The"),
+        Request("c", TEXT * 2 + "Sphinx of black quartz.", ["Judge my vow?"]),
+    ]
+    kw = dict(method=method, cache_size=0.4, priors=priors if "headkv" in method else None)
+    batched = _engine(batch_size=3, **kw).generate(requests)
+    alone = _engine(batch_size=1, **kw).generate(requests)
+    assert [a.prediction for a in batched] == [a.prediction for a in alone]
+    assert [a.kv_entries_kept for a in batched] == [a.kv_entries_kept for a in alone]
+    assert all(a.error is None for a in batched)
+
+
+@pytest.mark.parametrize("method", ["none", "criticalkv-adakv-snapkv"])
+def test_many_questions_equal_separate_runs(method):
+    questions = ["Who jumps?", "What is in the box?", "Is the dog lazy?"]
+    engine = _engine(method=method, cache_size=0.5, batch_size=2)
+    together = engine.generate([Request("d", TEXT * 3, questions), Request("e", TEXT, ["Why?"])])
+    separate = [engine.generate([Request("d", TEXT * 3, [q])])[0] for q in questions]
+    assert [a.prediction for a in together[:3]] == [a.prediction for a in separate]
+    assert [a.question_id for a in together] == ["0", "1", "2", "0"]
+    assert together[3].doc_id == "e"
+
+
+def test_query_aware_rows_per_question():
+    engine = _engine(method="criticalkv-snapkv", cache_size=0.5, query_aware=True)
+    answers = engine.generate([Request("d", TEXT * 3, ["Who jumps?", "Why?"])])
+    assert [a.question_id for a in answers] == ["0", "1"]
+    assert all(a.question_tokens == 0 or a.error is None for a in answers)
+    assert answers[0].context_tokens > answers[1].context_tokens  # question inside the prefilled chunk
+
+
+def test_chat_template_split_and_answer_prefix():
+    tok = tiny_tokenizer(chat=True)
+    builder = PromptBuilder(tok)
+    enc = builder.encode("CONTEXT", ["QUESTION?"], "Answer:")
+    text = tok.decode(enc.context_ids) + "|" + tok.decode(enc.question_ids[0])
+    assert text == "<|bos|><|user|>CONTEXT\n\n|QUESTION?<|eos|><|assistant|>Answer:"
+    plain = PromptBuilder(tiny_tokenizer(chat=False)).encode("CONTEXT", ["Q?"], "A:")
+    assert tok.decode(plain.context_ids) == "CONTEXT\n\n"  # this tokenizer adds no BOS itself
+    assert tok.decode(plain.question_ids[0]) == "Q?\nA:"
+
+
+def test_truncation_policies():
+    builder = PromptBuilder(tiny_tokenizer(chat=False))
+    body = "".join(chr(ord("a") + i % 26) for i in range(200))
+    middle = builder.encode(body, ["q"], max_total_tokens=100, reserve_tokens=10, truncate="middle")
+    assert middle.truncated_tokens > 0
+    text = builder.tokenizer.decode(middle.context_ids[:-2])
+    assert text.startswith(body[:20]) and text.endswith(body[-20:])
+    left = builder.encode(body, ["q"], max_total_tokens=100, reserve_tokens=10, truncate="left")
+    assert builder.tokenizer.decode(left.context_ids[:-2]) == body[-len(left.context_ids) + 2 :]
+    with pytest.raises(ContextTooLongError, match="fit the model window"):
+        builder.encode(body, ["q"], max_total_tokens=100, reserve_tokens=10, truncate="error")
+
+
+def test_bad_requests_become_error_rows_and_neighbours_survive():
+    engine = _engine(batch_size=3)
+    answers = engine.generate(
+        [Request("ok", TEXT, ["Who?"]), Request("empty", "   ", ["Who?"]), Request("noq", TEXT, [""]), Request("ok2", TEXT, ["Why?"])]
+    )
+    by_doc = {a.doc_id: a for a in answers}
+    assert by_doc["ok"].error is None and by_doc["ok2"].error is None
+    assert "context is empty" in by_doc["empty"].error
+    assert "question" in by_doc["noq"].error
+
+
+def test_model_loading_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="GGUF file not found"):
+        load_model(ModelConfig(name=str(tmp_path / "missing.gguf")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        load_model(ModelConfig(name=str(tmp_path / "empty")))
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "config.json").write_text("{}")
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="safetensors"):
+        load_model(ModelConfig(name=str(tmp_path / "pickled")))
+    with pytest.raises(ModelNotFoundError, match="neither a directory"):
+        load_model(ModelConfig(name=str(tmp_path / "nothing-here")))
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="unknown method"):
+        CompressionConfig(method="magic")
+    with pytest.raises(ValueError, match="cache_size"):
+        CompressionConfig(cache_size=1.5)
+    with pytest.raises(ValueError, match="smaller than the observation window"):
+        CompressionConfig(method="snapkv", budget=8, window=32)
+    with pytest.raises(ValueError, match="head_priors"):
+        CompressionConfig(method="headkv-snapkv")
