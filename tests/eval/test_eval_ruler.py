@@ -30,7 +30,7 @@ EXPECTED_TASKS = [
     "fwe",
 ]
 UUID4 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
-NEEDLE = re.compile(r"One of the special magic (numbers|uuids) for (\S+) is: (\S+)\.")
+NEEDLE = re.compile(r"One of the special magic (numbers|uuids) for (.+?) is: (\S+)\.")
 
 
 def words(text: str) -> int:
@@ -176,7 +176,7 @@ def test_deterministic_for_a_seed_and_different_across_seeds(task):
 
 
 def test_same_index_shares_needles_across_lengths(generated):
-    for task in ("niah_multivalue", "vt", "cwe"):
+    for task in ("niah_multikey_1", "niah_multivalue", "vt", "cwe"):  # not fwe: vocab grows with length
         assert [r["reference"] for r in generated[task][1000]] == [r["reference"] for r in generated[task][4000]]
 
 
@@ -210,6 +210,16 @@ def test_bad_lengths_and_counts():
     with pytest.raises(ValueError, match="n_samples"):
         generate_task("niah_single_1", 1000, words, -1)
     assert generate_task("niah_single_1", 1000, words, 0) == []
+
+
+def test_too_coarse_counter_warns():
+    # 7 "tokens" per line: one distractor needle is more than 2 % of a 60-token target
+    def per_line(text):
+        return text.count("\n") * 7
+
+    with pytest.warns(RuntimeWarning, match="short"):
+        row = generate_task("niah_multikey_2", 60, per_line, 1)[0]
+    assert per_line(row["context"]) + per_line(row["question"]) <= 60
 
 
 def test_fit_size_finds_the_largest_fitting_size():
