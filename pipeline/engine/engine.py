@@ -31,7 +31,7 @@ from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
 from .loading import LoadedModel, load_model
 from .memory import PeakMemory, device_label, now
-from .prompts import ContextTooLongError, EncodedPrompt, PromptBuilder
+from .prompts import EncodedPrompt, PromptBuilder
 from .types import Answer, Request
 
 
@@ -200,15 +200,26 @@ class Engine:
 
     # ------------------------------------------------------------------ one batch
     @torch.inference_mode()
+    def compress_context(self, request: Request) -> VarLenCache:
+        """Prefill and compress one request's context only and return the cache, so callers can
+        inspect what was kept: ``cache.kept_positions(layer, 0, kv_head)`` gives the original token
+        positions (0 = first context token after the chat-template head) held for that head."""
+        return self._prefill(self._rows_for(request)[:1])[0]
+
+    def _prefill(self, rows: list[_Row]) -> tuple[VarLenCache, torch.Tensor, torch.Tensor]:
+        """Left-padded context prefill with per-layer compression -> (cache, lengths (B,), last logits)."""
+        ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
+        ids, pos = self._left_pad([r.prompt.context_ids for r in rows], torch.zeros(len(rows), dtype=torch.long))
+        cache = VarLenCache(self.num_layers, self.compressor)
+        logits = self._forward(cache, ids, pos)
+        return cache, ctx_len, logits
+
+    @torch.inference_mode()
     def _run_batch(self, rows: list[_Row]) -> list[Answer]:
-        bsz = len(rows)
         meter = PeakMemory(self.device)
         with meter:
-            ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
-            ids, pos = self._left_pad([r.prompt.context_ids for r in rows], torch.zeros(bsz, dtype=torch.long))
-            cache = VarLenCache(self.num_layers, self.compressor)
             t0 = now(self.device)
-            logits = self._forward(cache, ids, pos)
+            cache, ctx_len, logits = self._prefill(rows)
             prefill_s = now(self.device) - t0
             compress_s = cache.compress_seconds
             entries, kept_bytes = cache.context_entries.tolist(), cache.context_bytes.tolist()

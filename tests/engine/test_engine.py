@@ -142,3 +142,16 @@ def test_config_errors_name_the_field():
         CompressionConfig(method="snapkv", budget=8, window=32)
     with pytest.raises(ValueError, match="head_priors"):
         CompressionConfig(method="headkv-snapkv")
+
+
+def test_kept_positions_readable_through_engine():
+    engine = _engine(method="criticalkv-adakv-snapkv", cache_size=0.3)
+    request = Request("d", TEXT * 3, ["Who?"])
+    cache = engine.compress_context(request)
+    n = len(engine.prompts.encode(request.context, request.questions).context_ids)
+    kept = [cache.kept_positions(layer, 0, h) for layer in range(2) for h in range(engine.num_kv_heads)]
+    assert sum(len(k) for k in kept) == int(cache.context_entries[0])
+    assert sum(len(k) for k in kept) == pytest.approx(0.3 * n * 2 * engine.num_kv_heads, abs=2 * engine.num_kv_heads)
+    for positions in kept:
+        assert positions.min() >= 0 and positions.max() < n
+        assert list(range(n - 4, n)) == positions[-4:].tolist()  # the window is always kept

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 
 
 def snapkv_reference(query, key, length, window, kernel, pooling, scaling):

@@ -1,0 +1,72 @@
+"""Helpers shared by the benchmark scripts: the bundled model, contexts of a given token length,
+and prefill / decode timed through the library's VarLenCache exactly as the engine runs them."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import CompressionConfig, ModelConfig  # noqa: E402
+from pipeline.data.synthetic import sample_qa_documents  # noqa: E402
+from pipeline.engine.loading import load_model  # noqa: E402
+from pipeline.kv.attention import register  # noqa: E402
+from pipeline.kv.cache import VarLenCache  # noqa: E402
+from pipeline.kv.compress import Compressor  # noqa: E402
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def load_smollm2():
+    loaded = load_model(ModelConfig(name="smollm2"))
+    loaded.model.set_attn_implementation(register())
+    return loaded
+
+
+def context_ids(tokenizer, n_tokens: int, seed: int = 0) -> torch.Tensor:
+    """(1, n_tokens) ids of built-in sample long-document text."""
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        doc = sample_qa_documents(1, target_words=max(500, n_tokens), seed=seed + len(ids))[0]
+        ids += tokenizer(doc["context"], add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids[:n_tokens]])
+
+
+@torch.inference_mode()
+def prefill(model, config: CompressionConfig, ids: torch.Tensor) -> tuple[float, VarLenCache]:
+    """Seconds for the context prefill including compression, and the resulting cache."""
+    cache = VarLenCache(model.config.num_hidden_layers, Compressor(config))
+    pos = torch.arange(ids.shape[1])[None]
+    cache.begin_chunk(pos)
+    t0 = time.perf_counter()
+    model(input_ids=ids, position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - t0, cache
+
+
+@torch.inference_mode()
+def decode_ms_per_token(model, cache: VarLenCache, start: int, steps: int, token: int = 42) -> float:
+    """Median ms per decode step over ``steps`` greedy-shaped steps (fixed input token)."""
+    for layer in cache.store:
+        layer.reserve(steps + 1)
+    times = []
+    ids = torch.tensor([[token]])
+    for i in range(steps):
+        pos = torch.tensor([[start + i]])
+        cache.begin_chunk(pos)
+        t0 = time.perf_counter()
+        model(input_ids=ids, position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True, logits_to_keep=1)
+        times.append(time.perf_counter() - t0)
+    return 1000.0 * statistics.median(times)
+
+
+def median(values) -> float:
+    return statistics.median(values)
