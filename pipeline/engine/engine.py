@@ -29,6 +29,7 @@ from ..config import CompressionConfig, GenerationConfig, ModelConfig
 from ..kv.attention import register as register_attention
 from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
+from .faults import FaultInjection
 from .loading import LoadedModel, load_model
 from .memory import PeakMemory, device_label, now
 from .prompts import EncodedPrompt, PromptBuilder
@@ -72,6 +73,7 @@ class Engine:
         generation: GenerationConfig | None = None,
         max_context_tokens: int | None = None,
         use_chat_template: bool = True,
+        oom_retry_cache_size: float | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -88,6 +90,12 @@ class Engine:
         if self.compression.head_priors is not None:
             priors = load_head_priors(self.compression.head_priors, self.num_layers, self.num_kv_heads)
         self.compressor = Compressor(self.compression, priors)
+        self.oom_retry_cache_size = oom_retry_cache_size
+        self._retry_compressor = None
+        if oom_retry_cache_size is not None:
+            retry_cfg = self.compression.model_copy(update={"cache_size": oom_retry_cache_size, "budget": None})
+            self._retry_compressor = Compressor(CompressionConfig.model_validate(retry_cfg.model_dump()), priors)
+        self.faults = FaultInjection.from_env()
         self.prompts = PromptBuilder(self.tokenizer, use_chat_template)
         self.model.set_attn_implementation(register_attention())
         self.eos_ids = self._eos_ids()
@@ -95,9 +103,16 @@ class Engine:
 
     @classmethod
     def from_config(
-        cls, model: ModelConfig, compression: CompressionConfig, generation: GenerationConfig
+        cls,
+        model: ModelConfig,
+        compression: CompressionConfig,
+        generation: GenerationConfig,
+        oom_retry_cache_size: float | None = None,
     ) -> "Engine":
-        return cls(load_model(model), compression, generation, max_context_tokens=model.max_context_tokens)
+        return cls(
+            load_model(model), compression, generation,
+            max_context_tokens=model.max_context_tokens, oom_retry_cache_size=oom_retry_cache_size,
+        )
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -147,9 +162,26 @@ class Engine:
         try:
             return self._run_batch([row])
         except Exception as exc:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._release_memory()
+            if isinstance(exc, torch.OutOfMemoryError) and self._retry_compressor is not None:
+                try:
+                    answers = self._run_batch([row], compressor=self._retry_compressor)
+                    for answer in answers:
+                        answer.cache_size = self.oom_retry_cache_size
+                        answer.error = None
+                    return answers
+                except Exception as retry_exc:
+                    self._release_memory()
+                    exc = retry_exc
             return [self._error_answer(row.request, row.request.question_ids[q], exc) for q in row.question_indices]
+
+    def _release_memory(self) -> None:
+        """Drop what a failed batch left behind (its cache is unreachable once the frame is gone)."""
+        import gc
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @staticmethod
     def _error_answer(request: Request, question_id: str, exc: Exception) -> Answer:
@@ -206,20 +238,22 @@ class Engine:
         positions (0 = first context token after the chat-template head) held for that head."""
         return self._prefill(self._rows_for(request)[:1])[0]
 
-    def _prefill(self, rows: list[_Row]) -> tuple[VarLenCache, torch.Tensor, torch.Tensor]:
+    def _prefill(self, rows: list[_Row], compressor: Compressor | None = None) -> tuple[VarLenCache, torch.Tensor, torch.Tensor]:
         """Left-padded context prefill with per-layer compression -> (cache, lengths (B,), last logits)."""
+        if self.faults.active:
+            self.faults.before_prefill([r.request.doc_id for r in rows], (compressor or self.compressor).config.cache_size)
         ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
         ids, pos = self._left_pad([r.prompt.context_ids for r in rows], torch.zeros(len(rows), dtype=torch.long))
-        cache = VarLenCache(self.num_layers, self.compressor)
+        cache = VarLenCache(self.num_layers, compressor or self.compressor)
         logits = self._forward(cache, ids, pos)
         return cache, ctx_len, logits
 
     @torch.inference_mode()
-    def _run_batch(self, rows: list[_Row]) -> list[Answer]:
+    def _run_batch(self, rows: list[_Row], compressor: Compressor | None = None) -> list[Answer]:
         meter = PeakMemory(self.device)
         with meter:
             t0 = now(self.device)
-            cache, ctx_len, logits = self._prefill(rows)
+            cache, ctx_len, logits = self._prefill(rows, compressor)
             prefill_s = now(self.device) - t0
             compress_s = cache.compress_seconds
             entries, kept_bytes = cache.context_entries.tolist(), cache.context_bytes.tolist()

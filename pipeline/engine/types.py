@@ -52,11 +52,15 @@ class Answer:
     peak_memory_bytes: int | None = None
     device: str = ""
     truncated_tokens: int = 0
+    cache_size: float | None = None  # set when this row used another cache size (OOM retry)
     error: str | None = None
     extra: dict = field(default_factory=dict)
 
     def as_row(self) -> dict:
+        """Output-contract columns of this answer (``extra`` is for in-process callers only;
+        ``cache_size`` appears only when it differs from the job's, i.e. after an OOM retry)."""
         row = asdict(self)
         row.pop("extra")
-        row.update(self.extra)
+        if row["cache_size"] is None:
+            row.pop("cache_size")
         return row
