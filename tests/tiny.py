@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -17,6 +19,9 @@ from transformers import (
 )
 
 from pipeline.engine.loading import LoadedModel
+
+# CRITICALKV_TEST_DEVICE=cuda runs the model-level tests on a GPU (benchmarks/gpu_check.sh sets it).
+DEVICE = torch.device(os.environ.get("CRITICALKV_TEST_DEVICE", "cpu"))
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -72,8 +77,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, head_dim: in
                 p.normal_(0.0, 0.15)
     model.generation_config.eos_token_id = 257
     model.generation_config.pad_token_id = 258
-    return model
+    return model.to(DEVICE)
 
 
 def tiny_loaded(arch: str = "llama", seed: int = 0, chat: bool = True, **kw) -> LoadedModel:
-    return LoadedModel(tiny_model(arch, seed, **kw), tiny_tokenizer(chat), f"tiny-{arch}", torch.device("cpu"), torch.float32, 0.0)
+    return LoadedModel(tiny_model(arch, seed, **kw), tiny_tokenizer(chat), f"tiny-{arch}", DEVICE, torch.float32, 0.0)

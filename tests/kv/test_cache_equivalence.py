@@ -18,7 +18,7 @@ from pipeline.config import METHODS, CompressionConfig
 from pipeline.kv.attention import register
 from pipeline.kv.cache import VarLenCache
 from pipeline.kv.compress import Compressor
-from tests.tiny import tiny_model
+from tests.tiny import DEVICE, tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama-mha"]
 N_CTX, N_Q, N_DEC = 48, 5, 4
@@ -54,7 +54,7 @@ def run_ours(model, cfg, ctx_ids, q_ids, dec_ids):
     for chunk in (ctx_ids, q_ids, *[d[None] for d in dec_ids]):
         if chunk.numel() == 0:
             continue
-        pos = torch.arange(start, start + chunk.shape[-1])[None]
+        pos = torch.arange(start, start + chunk.shape[-1], device=DEVICE)[None]
         cache.begin_chunk(pos)
         out = model(input_ids=chunk.view(1, -1), position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True)
         outs.append(out.logits[0])
@@ -71,8 +71,8 @@ def masked_reference(model, ctx_ids, q_ids, dec_ids, keep):
         v = value.repeat_interleave(groups, dim=1)
         t, total = query.shape[2], key.shape[2]
         logits = (query @ k.transpose(-1, -2)) * scaling
-        q_pos = torch.arange(total - t, total)
-        allowed = torch.arange(total)[None, :] <= q_pos[:, None]  # causal
+        q_pos = torch.arange(total - t, total, device=query.device)
+        allowed = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]  # causal
         allowed = allowed[None].repeat(query.shape[1], 1, 1)
         if total > N_CTX or t < total:  # after the prefill: evicted context entries are invisible
             mask = keep[module.layer_idx].repeat_interleave(groups, dim=0)  # (H_q, N_CTX)
@@ -87,7 +87,7 @@ def masked_reference(model, ctx_ids, q_ids, dec_ids, keep):
     outs = []
     start = 0
     for chunk in (ctx_ids, q_ids, *[d[None] for d in dec_ids]):
-        pos = torch.arange(start, start + chunk.shape[-1])[None]
+        pos = torch.arange(start, start + chunk.shape[-1], device=DEVICE)[None]
         outs.append(model(input_ids=chunk.view(1, -1), position_ids=pos, cache=cache, use_cache=True).logits[0])
         start += chunk.shape[-1]
     return torch.cat(outs[1:])
@@ -96,9 +96,9 @@ def masked_reference(model, ctx_ids, q_ids, dec_ids, keep):
 def _inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
     return (
-        torch.randint(0, 256, (N_CTX,), generator=g),
-        torch.randint(0, 256, (N_Q,), generator=g),
-        torch.randint(0, 256, (N_DEC,), generator=g),
+        torch.randint(0, 256, (N_CTX,), generator=g).to(DEVICE),
+        torch.randint(0, 256, (N_Q,), generator=g).to(DEVICE),
+        torch.randint(0, 256, (N_DEC,), generator=g).to(DEVICE),
     )
 
 
@@ -106,7 +106,7 @@ def _keep_masks(cache, model):
     masks = []
     for layer in range(model.config.num_hidden_layers):
         heads = model.config.num_key_value_heads
-        m = torch.zeros(heads, N_CTX, dtype=torch.bool)
+        m = torch.zeros(heads, N_CTX, dtype=torch.bool, device=DEVICE)
         for h in range(heads):
             pos = cache.kept_positions(layer, 0, h)
             m[h, pos[pos < N_CTX].long()] = True
@@ -122,7 +122,7 @@ def test_full_budget_equals_full_cache(arch, method, priors_file):
     model = tiny_model(arch)
     ctx, q, dec = _inputs(1)
     ours, cache = run_ours(model, _config(method, 1.0, priors_file), ctx, q, dec)
-    ref = masked_reference(model, ctx, q, dec, [torch.ones(model.config.num_key_value_heads, N_CTX, dtype=torch.bool)] * 2)
+    ref = masked_reference(model, ctx, q, dec, [torch.ones(model.config.num_key_value_heads, N_CTX, dtype=torch.bool, device=DEVICE)] * 2)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     model.set_attn_implementation("sdpa")
     plain = model(input_ids=torch.cat([ctx, q, dec])[None]).logits[0, N_CTX:]
@@ -183,7 +183,7 @@ def test_adakv_cache_is_ragged_not_padded(priors_file):
 def test_decode_cap_bounds_cache_and_keeps_window(priors_file):
     model = tiny_model("llama", seed=6)
     ctx, q, _ = _inputs(6)
-    dec = torch.randint(0, 256, (20,))
+    dec = torch.randint(0, 256, (20,)).to(DEVICE)
     cap = 20
     cfg = _config("criticalkv-snapkv", 0.3, priors_file, max_cache_tokens=cap)
     _, cache = run_ours(model, cfg, ctx, q, dec)
