@@ -13,10 +13,6 @@ from pipeline.engine.prompts import ContextTooLongError, PromptBuilder
 from pipeline.engine.types import Request
 from tests.tiny import DEVICE, tiny_loaded, tiny_model, tiny_tokenizer
 
-
-def reference_device():
-    return DEVICE
-
 TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
 
 
@@ -39,7 +35,7 @@ def test_engine_equals_plain_generate(arch):
     request = Request("d", TEXT * 3, ["Who jumps?"], answer_prefix="It is")
     answer = engine.generate([request])[0]
     prompt = engine.prompts.encode(request.context, request.questions, request.answer_prefix)
-    ids = torch.tensor([prompt.context_ids + prompt.question_ids[0]], device=reference_device())
+    ids = torch.tensor([prompt.context_ids + prompt.question_ids[0]], device=DEVICE)
     reference = tiny_model(arch)  # same seed, default sdpa attention, transformers' own cache
     out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
     new = out[0, ids.shape[1] :].tolist()
