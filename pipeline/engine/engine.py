@@ -86,20 +86,24 @@ class Engine:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_context_tokens = max_context_tokens or getattr(cfg, "max_position_embeddings", None)
-        priors = None
-        if self.compression.head_priors is not None:
-            priors = load_head_priors(self.compression.head_priors, self.num_layers, self.num_kv_heads)
-        self.compressor = Compressor(self.compression, priors)
+        self.compressor = self.make_compressor(self.compression)
         self.oom_retry_cache_size = oom_retry_cache_size
         self._retry_compressor = None
         if oom_retry_cache_size is not None:
             retry_cfg = self.compression.model_copy(update={"cache_size": oom_retry_cache_size, "budget": None})
-            self._retry_compressor = Compressor(CompressionConfig.model_validate(retry_cfg.model_dump()), priors)
+            self._retry_compressor = self.make_compressor(CompressionConfig.model_validate(retry_cfg.model_dump()))
         self.faults = FaultInjection.from_env()
         self.prompts = PromptBuilder(self.tokenizer, use_chat_template)
         self.model.set_attn_implementation(register_attention())
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def make_compressor(self, config: CompressionConfig) -> Compressor:
+        """A compressor for this model (HeadKV priors read from the config's file, if any)."""
+        priors = None
+        if config.head_priors is not None:
+            priors = load_head_priors(config.head_priors, self.num_layers, self.num_kv_heads)
+        return Compressor(config, priors)
 
     @classmethod
     def from_config(
@@ -130,50 +134,70 @@ class Engine:
     def generate(self, requests: list[Request]) -> list[Answer]:
         """Answer every question of every request; a failing request yields answers with ``error``
         set and never affects the others. Order of answers follows the input order."""
-        answers: dict[tuple[int, int], Answer] = {}
+        return self._generate(requests, [self.compressor], self._run_batch)[0]
+
+    def generate_sweep(self, requests: list[Request], compressions: list[CompressionConfig]) -> list[list[Answer]]:
+        """Answers for several compression settings from ONE prefill per batch.
+
+        Prefill attention does not depend on the method, so every layer's dense K/V and last
+        window queries are captured once and each setting compresses from them (results equal
+        separate runs; ``compress_s`` is each setting's own, ``ttft_s`` = shared prefill + own
+        compression + question prefill). Returns one answer list per setting, in input order.
+        ``peak_memory_bytes`` reflects the sweep (the dense capture is held), not a single run.
+        """
+        if any(c.query_aware != self.compression.query_aware for c in compressions):
+            raise ValueError("query_aware must be the same for the engine and every swept setting")
+        compressors = [self.make_compressor(c) for c in compressions]
+        return self._generate(requests, compressors, lambda rows: self._run_sweep_batch(rows, compressors))
+
+    def _generate(self, requests: list[Request], variants: list[Compressor], run) -> list[list[Answer]]:
+        """Batch rows, run ``run(rows) -> answers (variant-major, then row, then question)``, isolate
+        failures to single documents, and return per-variant answer lists in input order."""
+        answers: dict[tuple[int, int, int], Answer] = {}
         rows: list[tuple[int, _Row]] = []
         for i, request in enumerate(requests):
             try:
                 rows.extend((i, row) for row in self._rows_for(request))
             except Exception as exc:  # bad input: report per question, keep going
-                for q, qid in enumerate(request.question_ids or ["0"]):
-                    answers[(i, q)] = self._error_answer(request, qid, exc)
+                for v in range(len(variants)):
+                    for q, qid in enumerate(request.question_ids or ["0"]):
+                        answers[(v, i, q)] = self._error_answer(request, qid, exc)
         size = self.generation.batch_size
         for begin in range(0, len(rows), size):
             batch = rows[begin : begin + size]
             try:
-                results = self._run_batch([row for _, row in batch])
-            except Exception:
-                if len(batch) == 1:
-                    results = None
-                else:  # isolate the failing document(s)
-                    results = []
-                    for item in batch:
-                        results.extend(self._run_alone(item[1]))
-            if results is None:
-                results = self._run_alone(batch[0][1])
-            by_row = iter(results)
+                results = run([row for _, row in batch])
+                self._store(answers, batch, results, len(variants))
+            except Exception:  # isolate the failing document(s)
+                self._release_memory()
+                for item in batch:
+                    self._store(answers, [item], self._run_alone(item[1], run, len(variants)), len(variants))
+        return [[answers[key] for key in sorted(answers) if key[0] == v] for v in range(len(variants))]
+
+    @staticmethod
+    def _store(answers: dict, batch: list[tuple[int, _Row]], results: list[Answer], n_variants: int) -> None:
+        it = iter(results)
+        for v in range(n_variants):
             for i, row in batch:
                 for q in row.question_indices:
-                    answers[(i, q)] = next(by_row)
-        return [answers[key] for key in sorted(answers)]
+                    answers[(v, i, q)] = next(it)
 
-    def _run_alone(self, row: _Row) -> list[Answer]:
+    def _run_alone(self, row: _Row, run, n_variants: int) -> list[Answer]:
         try:
-            return self._run_batch([row])
+            return run([row])
         except Exception as exc:
             self._release_memory()
-            if isinstance(exc, torch.OutOfMemoryError) and self._retry_compressor is not None:
+            if isinstance(exc, torch.OutOfMemoryError) and self._retry_compressor is not None and n_variants == 1:
                 try:
                     answers = self._run_batch([row], compressor=self._retry_compressor)
                     for answer in answers:
                         answer.cache_size = self.oom_retry_cache_size
-                        answer.error = None
                     return answers
                 except Exception as retry_exc:
                     self._release_memory()
                     exc = retry_exc
-            return [self._error_answer(row.request, row.request.question_ids[q], exc) for q in row.question_indices]
+            qids = [row.request.question_ids[q] for q in row.question_indices]
+            return [self._error_answer(row.request, qid, exc) for _ in range(n_variants) for qid in qids]
 
     def _release_memory(self) -> None:
         """Drop what a failed batch left behind (its cache is unreachable once the frame is gone)."""
@@ -255,16 +279,51 @@ class Engine:
             t0 = now(self.device)
             cache, ctx_len, logits = self._prefill(rows, compressor)
             prefill_s = now(self.device) - t0
-            compress_s = cache.compress_seconds
-            entries, kept_bytes = cache.context_entries.tolist(), cache.context_bytes.tolist()
-            rounds = max(len(r.question_indices) for r in rows)
-            if rounds > 1:
-                cache.snapshot()
-            per_round = []
-            for r in range(rounds):
-                if r > 0:
-                    cache.restore()
-                per_round.append(self._answer_round(cache, rows, r, ctx_len, logits))
+            per_round = self._answer_rounds(cache, rows, ctx_len, logits)
+        kept = (cache.context_entries.tolist(), cache.context_bytes.tolist())
+        return self._make_answers(rows, kept, ctx_len, per_round, prefill_s, cache.compress_seconds, meter.peak_bytes)
+
+    @torch.inference_mode()
+    def _run_sweep_batch(self, rows: list[_Row], compressors: list[Compressor]) -> list[Answer]:
+        meter = PeakMemory(self.device)
+        answers: list[tuple] = []
+        with meter:
+            if self.faults.active:
+                self.faults.before_prefill([r.request.doc_id for r in rows])
+            window = max(c.config.window for c in compressors)
+            capture = VarLenCache(self.num_layers, None, capture_window=window)
+            ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
+            ids, pos = self._left_pad([r.prompt.context_ids for r in rows], torch.zeros(len(rows), dtype=torch.long))
+            t0 = now(self.device)
+            logits = self._forward(capture, ids, pos)
+            prefill_s = now(self.device) - t0
+            for compressor in compressors:
+                cache = VarLenCache.from_capture(capture, compressor)
+                per_round = self._answer_rounds(cache, rows, ctx_len, logits)
+                kept = (cache.context_entries.tolist(), cache.context_bytes.tolist())
+                answers.append((kept, per_round, cache.compress_seconds))
+                del cache  # one derived cache alive at a time
+        return [
+            a
+            for kept, per_round, compress_s in answers
+            for a in self._make_answers(rows, kept, ctx_len, per_round, prefill_s + compress_s, compress_s, meter.peak_bytes)
+        ]
+
+    def _answer_rounds(self, cache: VarLenCache, rows: list[_Row], ctx_len: torch.Tensor, logits: torch.Tensor) -> list:
+        """Every question round from one compressed context (rolled back between rounds)."""
+        rounds = max(len(r.question_indices) for r in rows)
+        if rounds > 1:
+            cache.snapshot()
+        per_round = []
+        for r in range(rounds):
+            if r > 0:
+                cache.restore()
+            per_round.append(self._answer_round(cache, rows, r, ctx_len, logits))
+        return per_round
+
+    def _make_answers(self, rows, kept, ctx_len, per_round, ttft_base, compress_s, peak_bytes) -> list[Answer]:
+        """Answer records; ``kept`` = (entries per row, bytes per row) of the compressed context."""
+        entries, kept_bytes = kept
         itemsize = torch.tensor([], dtype=self.loaded.dtype).element_size()
         answers = []
         for b, row in enumerate(rows):
@@ -283,11 +342,11 @@ class Engine:
                         kv_entries_kept=int(entries[b]),
                         kv_bytes_full=full_entries * 2 * self.head_dim * itemsize,
                         kv_bytes_kept=int(kept_bytes[b]),
-                        ttft_s=prefill_s + q_s,
+                        ttft_s=ttft_base + q_s,
                         compress_s=compress_s,
                         decode_s=decode_s,
                         decode_ms_per_token=(1000.0 * decode_s / steps) if steps else None,
-                        peak_memory_bytes=meter.peak_bytes,
+                        peak_memory_bytes=peak_bytes,
                         device=device_label(self.device),
                         truncated_tokens=row.prompt.truncated_tokens,
                     )

@@ -32,7 +32,10 @@ from .storage import VarLenLayer
 class VarLenCache(Cache):
     """Variable-length KV cache for ``num_layers`` layers; see module docstring."""
 
-    def __init__(self, num_layers: int, compressor: Compressor) -> None:
+    def __init__(self, num_layers: int, compressor: Compressor | None, capture_window: int = 0) -> None:
+        """``compressor=None`` makes a *capture* cache: the prefill keeps each layer's dense K/V and
+        its last ``capture_window`` queries (no compression), and :meth:`from_capture` then derives
+        one compressed cache per method from that single prefill (compression sweeps)."""
         # The base class' layer list is not used: storage is per layer in ``self.store``.
         self.layers = []
         self.layer_class_to_replicate = None
@@ -47,9 +50,10 @@ class VarLenCache(Cache):
         self._snapshot: object | None = None
         self.context_entries: torch.Tensor | None = None  # (B,) kept entries per row after prefill
         self.context_bytes: torch.Tensor | None = None  # (B,) bytes held per row after prefill
-        cfg = compressor.config
-        self.cap = cfg.max_cache_tokens
-        self.window = cfg.window
+        self.capture_window = capture_window
+        self.captured: list[tuple | None] = [None] * num_layers
+        self.cap = compressor.config.max_cache_tokens if compressor is not None else None
+        self.window = compressor.config.window if compressor is not None else 0
 
     # ------------------------------------------------------------------ chunk bookkeeping
     def begin_chunk(self, positions: torch.Tensor) -> None:
@@ -107,7 +111,11 @@ class VarLenCache(Cache):
         layer = self.store[idx]
         if layer is None:
             out = dense_prefill_attention(query, key, value, self._chunk_pos, scaling)
-            self._compress(idx, module, query, key, value, scaling)
+            if self.compressor is None:
+                q_tail = query[:, :, -self.capture_window :].clone() if self.capture_window else query[:, :, :0]
+                self.captured[idx] = (module, q_tail, key, value, self._chunk_pos, scaling)
+            else:
+                self._compress(idx, module, query, key, value, scaling)
             return out
         keys, values, key_pos = layer.padded_view()
         track = self.cap is not None
@@ -116,6 +124,20 @@ class VarLenCache(Cache):
             self._apply_cap(idx, layer, probs)
         self._appended.pop(idx, None)
         return out
+
+    @classmethod
+    def from_capture(cls, capture: "VarLenCache", compressor: Compressor) -> "VarLenCache":
+        """A compressed cache built from a capture cache's prefill, as if ``compressor`` had run
+        during that prefill (prefill attention does not depend on the method)."""
+        if compressor.config.scorer == "snapkv" and compressor.config.window > capture.capture_window:
+            raise ValueError(
+                f"window {compressor.config.window} exceeds the captured {capture.capture_window} queries"
+            )
+        cache = cls(capture.num_layers, compressor)
+        for idx, (module, q_tail, key, value, key_pos, scaling) in enumerate(capture.captured):
+            cache._chunk_pos = key_pos
+            cache._compress(idx, module, q_tail, key, value, scaling)
+        return cache
 
     def _compress(self, idx, module, query, key, value, scaling) -> None:
         sync = key.is_cuda

@@ -43,18 +43,19 @@ def snapkv_scores(
 ) -> torch.Tensor:
     """SnapKV observation-window scores.
 
-    query: (B, H_q, n, D) post-RoPE prefill queries; key: (B, H_kv, n, D); key_pos: (B, n) (-1 =
-    padding); window: (B,) long, each row's window size (<= the scoring window w = window.max()).
+    query: (B, H_q, m, D) post-RoPE queries of the LAST m prefill positions (m >= window.max();
+    the full prefill queries work too); key: (B, H_kv, n, D); key_pos: (B, n) (-1 = padding);
+    window: (B,) long, each row's window size (<= the scoring window w = window.max()).
     Returns (B, H_kv, n) float32 (see module conventions).
     """
-    bsz, h_q, n, dim = query.shape
-    h_kv = key.shape[1]
+    bsz, h_q, _, dim = query.shape
+    h_kv, n = key.shape[1], key.shape[2]
     groups = h_q // h_kv
     w = int(window.max()) if window.numel() else 0
-    w = min(w, n)
+    w = min(w, n, query.shape[2])
     if w == 0:
         return _finalise(torch.zeros(bsz, h_kv, n, device=key.device), key_pos, window)
-    q_win = query[:, :, n - w :, :].reshape(bsz, h_kv, groups * w, dim)
+    q_win = query[:, :, -w:, :].reshape(bsz, h_kv, groups * w, dim)
     logits = torch.matmul(q_win.float(), key.float().transpose(-1, -2)) * scaling  # (B, H_kv, G*w, n)
     logits = logits.view(bsz, h_kv, groups, w, n)
     q_index = torch.arange(n - w, n, device=key.device)

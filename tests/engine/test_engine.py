@@ -188,3 +188,22 @@ def test_fault_spec_errors(monkeypatch):
     monkeypatch.setenv("CRITICALKV_FAULTS", "explode=1")
     with pytest.raises(ValueError, match="unknown directive"):
         FaultInjection.from_env()
+
+
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_sweep_from_one_prefill_equals_separate_runs(query_aware, priors):
+    settings = [
+        CompressionConfig(method=m, cache_size=c, window=4, kernel=3, query_aware=query_aware,
+                          **({"head_priors": priors} if "headkv" in m else {}))
+        for m, c in [("snapkv", 0.3), ("criticalkv-snapkv", 0.3), ("criticalkv-adakv-snapkv", 0.5),
+                     ("criticalkv-headkv-snapkv", 0.3), ("none", 1.0), ("streamingllm", 0.4)]
+    ]
+    requests = [Request("a", TEXT * 3, ["Who jumps?", "Why?"]), Request("b", TEXT, ["What?"]), Request("bad", "", ["?"])]
+    engine = Engine(tiny_loaded(), settings[0], GenerationConfig(max_new_tokens=8, batch_size=2))
+    swept = engine.generate_sweep(requests, settings)
+    assert len(swept) == len(settings)
+    for setting, answers in zip(settings, swept):
+        alone = Engine(tiny_loaded(), setting, GenerationConfig(max_new_tokens=8, batch_size=2)).generate(requests)
+        assert [a.prediction for a in answers] == [a.prediction for a in alone]
+        assert [a.kv_entries_kept for a in answers] == [a.kv_entries_kept for a in alone]
+        assert answers[-1].error and "context is empty" in answers[-1].error
