@@ -30,6 +30,7 @@ _OUTPUT_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
     ("question_id", pa.string()),
     ("run_id", pa.string()),
     ("job", pa.string()),
+    ("task", pa.string()),  # evaluation task (RULER task, LongBench dataset); null for plain QA jobs
     ("model", pa.string()),
     ("method", pa.string()),
     ("cache_size", pa.float64()),

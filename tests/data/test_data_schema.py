@@ -17,7 +17,7 @@ from pipeline.data import (
 from pipeline.engine.types import Answer
 
 EXPECTED = {
-    "doc_id": pa.string(), "question_id": pa.string(), "run_id": pa.string(), "job": pa.string(),
+    "doc_id": pa.string(), "question_id": pa.string(), "run_id": pa.string(), "job": pa.string(), "task": pa.string(),
     "model": pa.string(), "method": pa.string(), "cache_size": pa.float64(), "budget": pa.int64(),
     "prediction": pa.string(), "reference": pa.list_(pa.string()), "score": pa.float64(),
     "context_tokens": pa.int64(), "question_tokens": pa.int64(), "generated_tokens": pa.int64(),
