@@ -1,0 +1,97 @@
+"""PNG plots for the report (matplotlib, non-interactive backend). Titles, axis labels and units
+on every panel; one colour per method, consistent across figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _colours(methods: list[str]) -> dict[str, str]:
+    cmap = plt.get_cmap("tab10")
+    return {m: cmap(i % 10) for i, m in enumerate(sorted(methods))}
+
+
+def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) -> Path:
+    """One panel per task plus the average: mean score vs kept fraction, a line per method."""
+    panels = ["average"] + [t for t in tasks if t != "all"] if len(tasks) > 1 else ["average"]
+    methods = sorted({r["method"] for r in quality_rows if r["method"] != "none"})
+    colours = _colours(methods)
+    cols = min(4, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        full = [r[panel] for r in quality_rows if (r["method"] == "none" or r["cache_size"] >= 1.0) and r.get(panel) is not None]
+        if full:
+            ax.axhline(sum(full) / len(full), color="black", linestyle="--", linewidth=1, label="full cache")
+        for method in methods:
+            pts = sorted((r["cache_size"], r[panel]) for r in quality_rows
+                         if r["method"] == method and r.get(panel) is not None and r["cache_size"] < 1.0)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[method], label=method)
+        ax.set_title(panel)
+        ax.set_xlim(0, 1.02)
+        ax.set_ylim(-0.03, 1.05)
+        ax.set_xlabel("cache size (kept fraction)")
+        ax.set_ylabel("score")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    fig.suptitle("Score vs cache size per method")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def compression_loss(loss_rows: list[dict], path: Path) -> Path:
+    """Grouped bars: relative loss vs full cache (%) per cache size, a bar per method."""
+    sizes = sorted({r["cache_size"] for r in loss_rows})
+    methods = sorted({r["method"] for r in loss_rows})
+    colours = _colours(methods)
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(sizes) * max(1, len(methods)) / 3), 4))
+    for j, method in enumerate(methods):
+        xs, ys = [], []
+        for i, size in enumerate(sizes):
+            hit = [r for r in loss_rows if r["method"] == method and r["cache_size"] == size and r["relative_loss"] is not None]
+            if hit:
+                xs.append(i + (j - (len(methods) - 1) / 2) * width)
+                ys.append(100.0 * hit[0]["relative_loss"])
+        ax.bar(xs, ys, width=width, color=colours[method], label=method)
+    ax.set_xticks(range(len(sizes)), [f"{s:g}" for s in sizes])
+    ax.set_xlabel("cache size (kept fraction)")
+    ax.set_ylabel("loss vs full cache (%, lower is better)")
+    ax.set_title("Compression loss relative to the full cache (average over tasks)")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def costs(cost_rows: list[dict], path: Path) -> Path:
+    """Four panels: TTFT, compression time, decode ms/token, kept KV MiB, per method and cache size."""
+    metrics = [("ttft_s", "TTFT (s)"), ("compress_s", "compression (s)"),
+               ("decode_ms_per_token", "decode (ms/token)"), ("kv_kept_MiB", "kept KV (MiB)")]
+    labels = [f"{r['method']}\n@{r['cache_size']:g}" for r in cost_rows]
+    colours = _colours(sorted({r["method"] for r in cost_rows}))
+    fig, axes = plt.subplots(1, 4, figsize=(max(12, 0.9 * len(labels) * 2), 4))
+    for ax, (key, title) in zip(axes, metrics):
+        ax.bar(range(len(labels)), [r.get(key) or 0 for r in cost_rows], color=[colours[r["method"]] for r in cost_rows])
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_title(title + " — median")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Cost per method and cache size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

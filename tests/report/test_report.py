@@ -1,0 +1,50 @@
+"""Report: aggregation against hand-computed values, and the files it writes."""
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.schema import rows_to_table
+from pipeline.report import build_report
+from pipeline.report import tables
+from pipeline.report.__main__ import main
+
+
+def _rows():
+    rows = []
+    for method, size, scores in [("none", 1.0, [1.0, 1.0]), ("snapkv", 0.2, [0.5, 0.0]), ("criticalkv-snapkv", 0.2, [1.0, 0.5])]:
+        for task, score in zip(["niah_single_1", "vt"], scores):
+            rows.append(dict(doc_id=f"{task}-0", question_id="0", job="eval", task=task, model="m", method=method,
+                             cache_size=size, score=score, ttft_s=1.0 if method == "none" else 0.5, compress_s=0.1,
+                             decode_ms_per_token=10.0, kv_bytes_full=1000, kv_bytes_kept=int(1000 * size) + 4,
+                             peak_memory_bytes=2**20))
+    rows.append(dict(doc_id="bad", question_id="0", job="eval", task="vt", model="m", method="snapkv", cache_size=0.2,
+                     error="ValueError: context is empty"))
+    return rows
+
+
+def test_aggregates_match_hand_computed(tmp_path):
+    table = rows_to_table(_rows())
+    quality, tasks = tables.quality(table)
+    by = {(r["method"], r["cache_size"]): r for r in quality}
+    assert tasks == ["niah_single_1", "vt"]
+    assert by[("snapkv", 0.2)]["average"] == pytest.approx(0.25)
+    assert by[("criticalkv-snapkv", 0.2)]["average"] == pytest.approx(0.75)
+    loss = {r["method"]: r["relative_loss"] for r in tables.compression_loss(quality)}
+    assert loss == {"snapkv": pytest.approx(0.75), "criticalkv-snapkv": pytest.approx(0.25)}
+    overview = {r["method"]: r for r in tables.overview(table)}
+    assert overview["snapkv"]["failed"] == 1 and overview["snapkv"]["rows"] == 3
+    cost = {r["method"]: r for r in tables.costs(table)}
+    assert cost["snapkv"]["kept_bytes_fraction"] == pytest.approx(0.204)
+
+
+def test_report_files_and_cli(tmp_path):
+    out = tmp_path / "run"
+    (out / "data").mkdir(parents=True)
+    pq.write_table(rows_to_table(_rows()), out / "data" / "part-0.parquet")
+    md = build_report([out], out)
+    text = md.read_text()
+    assert "Score by method and cache size" in text and "compression_loss.png" in text
+    for name in ["score_vs_cache_size.png", "compression_loss.png", "costs.png"]:
+        assert (out / name).stat().st_size > 5000
+    assert main([str(out)]) == 0
+    assert main([str(tmp_path / "missing")]) == 2
