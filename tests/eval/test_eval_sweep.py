@@ -1,0 +1,32 @@
+"""Sweep settings, RULER documents for a sweep, and scoring."""
+
+import pytest
+
+from pipeline.config import CompressionConfig
+from pipeline.eval.sweep import ruler_documents, score_prediction, sweep_settings
+
+
+def test_settings_have_one_full_reference_and_every_pair():
+    settings = sweep_settings(["snapkv", "criticalkv-snapkv"], [0.2, 0.4, 1.0], CompressionConfig(window=16))
+    pairs = [(s.method, s.cache_size) for s in settings]
+    assert pairs == [("none", 1.0), ("snapkv", 0.2), ("snapkv", 0.4), ("criticalkv-snapkv", 0.2), ("criticalkv-snapkv", 0.4)]
+    assert all(s.window == 16 for s in settings)
+    with pytest.raises(ValueError, match="methods"):
+        sweep_settings(["magic"], [0.2], CompressionConfig())
+    with pytest.raises(ValueError, match="cache_sizes"):
+        sweep_settings(["snapkv"], [0.0], CompressionConfig())
+
+
+def test_ruler_documents_are_scorable():
+    count = lambda text: len(text.split())  # noqa: E731
+    docs = ruler_documents(["niah_single_1", "vt"], 600, 2, count, seed=1, max_new_tokens=20)
+    assert len(docs) == 4 and {d["task"] for d in docs} == {"niah_single_1", "vt"}
+    for doc in docs:
+        assert doc["max_new_tokens"] <= 20
+        refs = doc["references"][0]
+        assert all(r in doc["context"] for r in refs)
+        assert score_prediction(doc["metric"], " ".join(refs), refs) == 1.0
+        assert score_prediction(doc["metric"], "nothing", refs) == 0.0
+    assert score_prediction(None, "x", ["x"]) is None
+    with pytest.raises(ValueError, match="tasks"):
+        ruler_documents(["nope"], 600, 1, count)
