@@ -1,0 +1,358 @@
+"""GPU check benchmark: a randomly initialised Llama-3.1-8B-shaped model through the library's cache.
+
+Run by ``benchmarks/gpu_check.sh`` (which first runs the compression tests on CUDA); usable alone:
+
+    python benchmarks/gpu_check.py                  # CUDA: 8K and 32K tokens, bf16, ~2-4 min on one big GPU
+    python benchmarks/gpu_check.py --smoke          # tiny model and lengths; runs on CPU too
+
+What it measures, with CUDA-synchronised timing (``torch.cuda.synchronize`` before every clock
+read) and methods interleaved within each repeat (medians):
+
+- prefill time (context prefill + compression) of ``none`` / ``snapkv`` / ``criticalkv-snapkv``,
+  driven exactly like ``benchmarks/common.py`` drives it: ``VarLenCache`` + ``Compressor`` + the
+  attention function from ``pipeline.kv.attention.register``; one ``Compressor`` per method reused
+  across repeats, as an engine does;
+- decode ms/token after that prefill (fixed input token, after warm-up steps): the full cache
+  (``none``) against the 20 % caches;
+- kept KV bytes (``VarLenCache.nbytes()``, entries plus positions and segment tables) against the
+  bytes of a full bf16 cache, and peak memory (``torch.cuda.max_memory_allocated``) during prefill
+  and during decode, weights included.
+
+The model: ``LlamaConfig`` hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
+vocab 128256 (Llama-3.1-8B's shapes; default RoPE, which does not change timing), built on the meta
+device, materialised with ``to_empty`` and filled with N(0, 0.02) in place on the GPU: no weights are
+downloaded and initialisation takes seconds. Random weights make the numbers about cost, not
+quality. Prints one Markdown table (and writes it with a JSON copy under ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import CompressionConfig  # noqa: E402
+from pipeline.kv.attention import register  # noqa: E402
+from pipeline.kv.cache import VarLenCache  # noqa: E402
+from pipeline.kv.compress import Compressor  # noqa: E402
+
+LLAMA_31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                   intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072)
+SMOKE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=256, vocab_size=1024, max_position_embeddings=4096)
+METHODS = ("none", "snapkv", "criticalkv-snapkv")
+
+
+# ------------------------------------------------------------------ timing and memory
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    sync(device)
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ model
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@torch.no_grad()
+def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """Llama of the given shape: meta device -> ``to_empty`` -> in-place normal init on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"), default_dtype(dtype):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02, generator=gen)
+        else:  # RMSNorm weights
+            param.fill_(1.0)
+    # Non-persistent buffers (RoPE inverse frequencies) are garbage after to_empty: rebuild them
+    # from a freshly constructed module of the same class, computed on the CPU in float32.
+    for module in model.modules():
+        buffers = dict(module.named_buffers(recurse=False))
+        if buffers:
+            try:
+                fresh = type(module)(config=config)
+            except TypeError as exc:
+                raise RuntimeError(f"cannot rebuild the buffers of {type(module).__name__} after to_empty: {exc}") from exc
+            for name, value in fresh.named_buffers(recurse=False):
+                module._buffers[name] = value.to(device)
+    model.eval()
+    model.set_attn_implementation(register())
+    return model
+
+
+def compression(method: str, cache_size: float) -> CompressionConfig:
+    if method == "none":
+        return CompressionConfig(method="none")
+    return CompressionConfig(method=method, cache_size=cache_size)
+
+
+# ------------------------------------------------------------------ prefill / decode (as benchmarks/common.py)
+@torch.inference_mode()
+def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, VarLenCache]:
+    device = ids.device
+    cache = VarLenCache(model.config.num_hidden_layers, compressor)
+    pos = torch.arange(ids.shape[1], device=device)[None]
+    cache.begin_chunk(pos)
+    sync(device)
+    t0 = time.perf_counter()
+    model(input_ids=ids, position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True, logits_to_keep=1)
+    sync(device)
+    return time.perf_counter() - t0, cache
+
+
+@torch.inference_mode()
+def decode_ms_per_token(model, cache: VarLenCache, start: int, steps: int, warmup: int, device: torch.device) -> float:
+    for layer in cache.store:
+        if hasattr(layer, "reserve"):
+            layer.reserve(steps + warmup + 1)
+    ids = torch.tensor([[42]], device=device)
+    times = []
+    for i in range(warmup + steps):
+        pos = torch.tensor([[start + i]], device=device)
+        cache.begin_chunk(pos)
+        sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=ids, position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True, logits_to_keep=1)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return 1000.0 * statistics.median(times)
+
+
+def full_kv_bytes(config, n: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return n * config.num_hidden_layers * config.num_key_value_heads * 2 * head_dim * elem
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)) or "out of memory" in str(exc)
+
+
+# ------------------------------------------------------------------ the run
+def run(args) -> dict:
+    t_start = time.monotonic()
+    device = torch.device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    shape = SMOKE if args.smoke else LLAMA_31_8B
+    torch.manual_seed(0)
+    t0 = time.monotonic()
+    model = build_model(shape, device, dtype)
+    sync(device)
+    init_s = time.monotonic() - t0
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    lengths = [int(x) for x in args.lengths.split(",")]
+    compressors = {m: Compressor(compression(m, args.cache_size)) for m in METHODS}
+    gen = torch.Generator(device=device).manual_seed(1)
+    rows = []
+
+    def over_budget() -> bool:
+        return time.monotonic() - t_start > args.budget_s
+
+    warnings = []
+
+    def warm_up(what: str, fn) -> None:
+        """Untimed runs that pay one-off costs; a failure here is noted, the timed cells report it."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            warnings.append(f"warm-up {what}: {type(exc).__name__}: {str(exc)[:160]}")
+        finally:
+            free(device)
+
+    # warm-up: kernels, cuBLAS handles, the projection caches of the compressors
+    warm = torch.randint(0, model.config.vocab_size, (1, min(512, min(lengths))), device=device, generator=gen)
+    for m in METHODS:
+        def short_run(m=m):
+            _, cache = prefill(model, compressors[m], warm)
+            decode_ms_per_token(model, cache, warm.shape[1], 1, 1, device)
+        warm_up(f"{m} at {warm.shape[1]} tokens", short_run)
+
+    for n in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=gen)
+        if not over_budget():  # first prefill at a new length pays one-off costs (allocator growth, kernel choice)
+            warm_up(f"snapkv at {n} tokens", lambda ids=ids: prefill(model, compressors["snapkv"], ids))
+        cell = {m: {"tokens": n, "method": m, "cache": "full" if m == "none" else f"{args.cache_size:.0%}",
+                    "prefill_s": [], "compress_s": [], "status": "ok"} for m in METHODS}
+        for r in range(args.repeats):
+            for m in METHODS:
+                c = cell[m]
+                if c["status"] != "ok":
+                    continue
+                if over_budget():
+                    c["status"] = "skipped (time budget)"
+                    continue
+                cache = None
+                try:
+                    free(device)
+                    reset_peak(device)
+                    seconds, cache = prefill(model, compressors[m], ids)
+                    c["prefill_s"].append(seconds)
+                    c["compress_s"].append(cache.compress_seconds)
+                    c["peak_prefill"] = max(c.get("peak_prefill") or 0, peak_bytes(device) or 0) or None
+                    c["kept_bytes"] = int(cache.nbytes())
+                    c["full_bytes"] = full_kv_bytes(model.config, n, dtype)
+                    if r == args.repeats - 1 and not over_budget():
+                        reset_peak(device)
+                        c["decode_ms"] = decode_ms_per_token(model, cache, n, args.decode_steps, args.decode_warmup, device)
+                        c["peak_decode"] = peak_bytes(device)
+                except Exception as exc:
+                    c["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
+                    if not _is_oom(exc) and args.raise_errors:
+                        raise
+                finally:
+                    del cache
+                    free(device)
+        for m in METHODS:
+            c = cell[m]
+            c["prefill_median_s"] = statistics.median(c["prefill_s"]) if c["prefill_s"] else None
+            c["compress_median_s"] = statistics.median(c["compress_s"]) if c["compress_s"] else None
+            rows.append(c)
+        del ids
+        free(device)
+
+    info = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": args.dtype, "smoke": args.smoke,
+        "model": "random Llama-3.1-8B shape" if not args.smoke else "random tiny Llama (smoke)",
+        "shape": shape, "weights_bytes": weights, "init_s": init_s, "repeats": args.repeats,
+        "decode_steps": args.decode_steps, "cache_size": args.cache_size, "elapsed_s": time.monotonic() - t_start,
+        "flash_attn": _flash_attn_version(), "warnings": warnings,
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    return {"info": info, "rows": rows}
+
+
+def _flash_attn_version() -> str | None:
+    try:
+        import flash_attn
+
+        return getattr(flash_attn, "__version__", "installed")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# ------------------------------------------------------------------ output
+def _gib(b) -> str:
+    return "n/a" if not b else f"{b / 2**30:.2f}"
+
+
+def _num(value, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def markdown(result: dict) -> str:
+    info, rows = result["info"], result["rows"]
+    by = {(r["tokens"], r["method"]): r for r in rows}
+    lines = [
+        f"GPU check: {info['model']} ({info['weights_bytes'] / 2**30:.1f} GiB {info['dtype']} weights, init {info['init_s']:.1f} s) "
+        f"on {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), transformers {info.get('transformers')}, "
+        f"flash-attn {info['flash_attn'] or 'not installed'}; medians of {info['repeats']} interleaved prefills, "
+        f"decode median of {info['decode_steps']} steps; total {info['elapsed_s']:.0f} s.",
+        "",
+        "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | status |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        snap = by.get((r["tokens"], "snapkv"), {})
+        full = by.get((r["tokens"], "none"), {})
+        p = r.get("prefill_median_s")
+        ratio = f"{p / snap['prefill_median_s']:.3f}" if p and snap.get("prefill_median_s") else "—"
+        d = r.get("decode_ms")
+        dratio = f"{d / full['decode_ms']:.3f}" if d and full.get("decode_ms") else "—"
+        kept = r.get("kept_bytes")
+        kept_ratio = f"{kept / r['full_bytes']:.4f}" if kept and r.get("full_bytes") else "—"
+        compress = r.get("compress_median_s")
+        cells = [
+            str(r["tokens"]), r["method"], r["cache"], _num(p, ".3f"), ratio, _num(compress, ".3f"),
+            _num(d, ".1f"), dratio, _num(kept / 2**20 if kept else None, ".1f"), kept_ratio,
+            _gib(r.get("peak_prefill")), _gib(r.get("peak_decode")), r["status"],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [f"\nwarning: {w}" for w in info.get("warnings") or []]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model and lengths (CPU-friendly)")
+    p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--lengths", default=None, help="comma-separated context lengths (default 8192,32768; smoke 256,512)")
+    p.add_argument("--cache-size", type=float, default=0.2, help="kept fraction for snapkv / criticalkv-snapkv")
+    p.add_argument("--repeats", type=int, default=None, help="prefill repeats per method (default 3; smoke 1)")
+    p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
+    p.add_argument("--decode-warmup", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=360.0, help="start no new measurement after this many seconds")
+    p.add_argument("--out", default=None, help="directory for gpu_check.md and gpu_check.json")
+    p.add_argument("--allow-cpu-full", action="store_true", help="run the 8B shape on CPU (very slow)")
+    p.add_argument("--raise-errors", action="store_true", help="stop on the first non-OOM error (debugging)")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.device == "cpu" and not args.smoke and not args.allow_cpu_full:
+        print("error: no CUDA device; the 8B-shaped run needs a GPU (use --smoke on CPU)", file=sys.stderr)
+        return 2
+    args.lengths = args.lengths or ("256,512" if args.smoke else "8192,32768")
+    args.repeats = args.repeats or (1 if args.smoke else 3)
+    args.decode_steps = args.decode_steps or (4 if args.smoke else 32)
+    result = run(args)
+    table = markdown(result)
+    print(table, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.md").write_text(table + "\n")
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    bad = [r for r in result["rows"] if r["status"].startswith("error")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

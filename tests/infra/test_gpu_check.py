@@ -1,0 +1,63 @@
+"""benchmarks/gpu_check.{py,sh} keep working on CPU (--smoke), so the rare GPU run is not the first run.
+
+The GPU itself is exercised only by running ``bash benchmarks/gpu_check.sh`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
+    rc = gpu_check.main(["--smoke", "--device", "cpu", "--lengths", "96", "--repeats", "1", "--decode-steps", "2",
+                         "--decode-warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith("| 96 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["none", "snapkv", "criticalkv-snapkv"]
+    assert all(r.rstrip().endswith("| ok |") for r in rows), table
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    by = {r["method"]: r for r in result["rows"]}
+    assert by["none"]["kept_bytes"] >= by["none"]["full_bytes"]  # full cache + positions/segment tables
+    assert by["criticalkv-snapkv"]["kept_bytes"] < 0.3 * by["criticalkv-snapkv"]["full_bytes"]
+    assert all(r["decode_ms"] > 0 and r["prefill_median_s"] > 0 for r in result["rows"])
+    assert (tmp_path / "gpu_check.md").read_text().strip() == table.strip()
+
+
+def test_gpu_check_refuses_the_8b_shape_on_cpu(capsys):
+    assert gpu_check.main(["--device", "cpu"]) == 2
+    assert "--smoke" in capsys.readouterr().err
+
+
+def test_gpu_check_model_is_llama_31_8b_shaped():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**gpu_check.LLAMA_31_8B, tie_word_embeddings=False))
+    assert abs(sum(p.numel() for p in model.parameters()) - 8.03e9) < 0.01e9
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_sh_smoke_without_tests(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_BUDGET_S="240")
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--smoke", "--skip-tests", "--lengths", "96",
+                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| 96 | criticalkv-snapkv |" in proc.stdout
+    assert "tests/kv on" in proc.stdout and "skipped (--skip-tests)" in proc.stdout
+    for name in ("gpu_check.md", "gpu_check.json", "gpu_check.log"):
+        assert (tmp_path / name).is_file(), name
