@@ -1,0 +1,578 @@
+"""Perturbation diagnostics: how much does each method's kept set change the attention output?
+
+This is the analysis of the CriticalKV paper (arXiv 2502.03805, section 3) run on a real model:
+for one context and a set of *later query positions* (question tokens, or the next tokens of the
+context itself), every method compresses the same prefill, and we measure, per layer and KV head,
+how far the attention output of the later queries moves when the context part of the cache is
+reduced to that method's kept entries.
+
+How it is computed (no monkey-patching; transformers' public extension points only):
+
+1. One full forward over ``context + later`` with the attention function registered as
+   ``"perturbation_capture"`` (transformers ``AttentionInterface``): it computes the ordinary causal
+   attention (SDPA) and hands the layer's post-RoPE ``q, k, v`` to a recorder, which analyses the
+   layer on the spot and keeps only small results (memory: one layer's attention maps of the
+   later queries, plus each method's compressed K/V).
+2. Per layer, every method's :class:`~pipeline.kv.compress.Compressor` runs
+   ``compress_layer(layer, module, q[:n], k[:n], v[:n], positions, scaling)`` on the context part
+   of the captured tensors -- exactly the call :class:`~pipeline.kv.cache.VarLenCache` makes after
+   a prefill -- and its keep mask (H_kv, n) defines the kept set S of every KV head. Later tokens
+   are never evicted (they arrive after compression), so S always contains them.
+3. :class:`LayerProbe` evaluates the kept sets against the full-cache attention of two sets of
+   queries (fp32, with the queries of the *full* forward, so each layer's perturbation is measured in
+   isolation, as in the paper): ``probe="later"``, the later tokens (what compression is for: queries
+   the selection never saw), and ``probe="window"``, the last ``window`` context queries (the SnapKV
+   observation window whose attention the selection estimates A from: the in-sample view).
+4. Hidden-state deviation (end to end): the kept entries are copied into a
+   :class:`~pipeline.kv.cache.VarLenCache` (``VarLenLayer.from_dense``, as the cache does), the later
+   tokens are run through the model with the registered ``criticalkv_varlen`` attention, and the
+   final (post-norm) hidden states are compared with the same run on a keep-everything cache.
+
+Formulas (per layer, per query head h of KV head k, per later query t; A = full-cache softmax
+attention of t over every key it can see, m_{h,i} = ||V_i W_O^h||_1 with W_O^h the (D x hidden)
+slice of ``o_proj`` that multiplies head h, Â = softmax restricted to the kept set S):
+
+* ``perturbation``        mean_{h in group, t} || (o_{h,t} - ô_{h,t}) W_O^h ||_1,
+                          with o - ô = (A - Â) V computed directly (exactly 0 when S keeps all).
+* ``group_perturbation``  mean_t || sum_{h in group} (o_{h,t} - ô_{h,t}) W_O^h ||_1: the change this
+                          KV head's group really writes into the residual stream.
+* ``bound``               the paper's upper bound, in its exact form. With a = sum_{i in S} A_i,
+                          Â_i = A_i / a on S, so  o - ô = sum_{i not in S} A_i V_i - (1-a)/a sum_{i in S} A_i V_i
+                          and by the triangle inequality, per (h, t),
+
+                              ||(o - ô) W_O^h||_1 <= E + (1 - a)/a * K
+                                                   =  C - (2 - 1/a) K,
+
+                          E = sum_{i not in S} A_i m_i (evicted term), K = sum_{i in S} A_i m_i,
+                          C = E + K. This is a rigorous bound (>= perturbation up to float rounding),
+                          averaged over (h, t) like ``perturbation``.
+* ``evicted_term``        mean_{h,t} E: the first-order term the method tries to make small; for
+                          S with most of the attention mass (a -> 1) the bound is E (1 + O(1 - a)).
+* ``evicted_mass``        mean_{h,t} (1 - a).
+* ``proxy_objective``     sum_{i in context, not in S} (s_i + eps) * mbar_i with s the SnapKV window
+                          score and mbar_i the group mean of m_{h,i}: the estimate of E that CriticalKV's
+                          stage 2 actually minimises (NaN for non-SnapKV scorers).
+* ``hidden_deviation``    mean_t ||ĥ_t - h_t||_2 / ||h_t||_2 over the later queries, h = final
+                          (post-norm) hidden state with the full cache; ``top1_agreement``: fraction of t
+                          where lm_head(ĥ_t) and lm_head(h_t) have the same argmax. Both are per
+                          (document, method) and repeated on that method's rows.
+
+Output: a long-format :class:`pyarrow.Table` (:data:`SCHEMA`), one row per
+(doc_id, probe, method, cache_size, layer, kv_head); ``hidden_deviation`` / ``top1_agreement``
+are null on ``window`` rows and ``query_tokens`` is the probe's query count;
+``base_method`` is the method with any ``criticalkv-`` prefix
+removed (so ``snapkv`` and ``criticalkv-snapkv`` share ``base_method="snapkv"``), which makes
+"CriticalKV vs its base" a self-join. :func:`headline` computes, per probe, the fraction of
+(document, layer, KV head) where a ``criticalkv-X`` method has a strictly lower ``perturbation``
+than ``X``.
+
+Limits: batch 1 (one document per forward), full causal attention (models whose config sets a
+sliding window shorter than the sequence are refused), no decode-time cap (``max_cache_tokens``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+
+from ..config import CompressionConfig
+from ..kv.attention import register as register_varlen_attention
+from ..kv.budgets import row_budgets
+from ..kv.cache import VarLenCache
+from ..kv.compress import Compressor
+from ..kv.criticalkv import OutputProjection
+from ..kv.scorers import snapkv_scores
+from ..kv.storage import VarLenLayer
+
+CAPTURE_ATTENTION = "perturbation_capture"
+_NORM_CHUNK = 4096
+_REFERENCE = "__full__"
+
+SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("query_kind", pa.string()),
+        ("probe", pa.string()),
+        ("model", pa.string()),
+        ("method", pa.string()),
+        ("base_method", pa.string()),
+        ("criticalkv", pa.bool_()),
+        ("cache_size", pa.float64()),
+        ("context_tokens", pa.int32()),
+        ("query_tokens", pa.int32()),
+        ("layer", pa.int32()),
+        ("kv_head", pa.int32()),
+        ("kept", pa.int32()),
+        ("perturbation", pa.float64()),
+        ("group_perturbation", pa.float64()),
+        ("bound", pa.float64()),
+        ("evicted_term", pa.float64()),
+        ("evicted_mass", pa.float64()),
+        ("proxy_objective", pa.float64()),
+        ("hidden_deviation", pa.float64()),
+        ("top1_agreement", pa.float64()),
+    ]
+)
+
+
+# --------------------------------------------------------------------------- pure tensor math
+
+
+def per_head_l1_norms(value: torch.Tensor, proj: OutputProjection) -> torch.Tensor:
+    """m_{h,i} = ||V_i W_O^h||_1 for every query head h. value: (H_kv, N, D) -> (H_kv, G, N) fp32.
+
+    Chunked over entries so that at most (chunk x G*hidden) floats are materialised at once; the
+    mean over G equals :func:`pipeline.kv.criticalkv.exact_l1_norms`.
+    """
+    h_kv, n, _ = value.shape
+    out = torch.empty(h_kv, proj.groups, n, dtype=torch.float32, device=value.device)
+    for k in range(h_kv):
+        for begin in range(0, n, _NORM_CHUNK):
+            chunk = value[k, begin : begin + _NORM_CHUNK].float() @ proj.per_kv[k]  # (c, G*hidden)
+            out[k, :, begin : begin + _NORM_CHUNK] = chunk.abs().view(-1, proj.groups, proj.hidden).sum(-1).T
+    return out
+
+
+@dataclass
+class HeadStats:
+    """Per-KV-head results of :meth:`LayerProbe.evaluate`, each (H_kv,) float64."""
+
+    perturbation: torch.Tensor
+    group_perturbation: torch.Tensor
+    bound: torch.Tensor
+    evicted_term: torch.Tensor
+    evicted_mass: torch.Tensor
+
+
+class LayerProbe:
+    """Full-cache attention of some queries at one layer, against which kept sets are evaluated.
+
+    query: (H_q, T, D) post-RoPE queries; key, value: (H_kv, N, D) every key they may see;
+    query_pos: (T,) and key_pos: (N,) (default ``arange(N)``) original positions (key j visible
+    to query t iff key_pos[j] <= query_pos[t]); proj: the layer's W_O slices; scaling: softmax
+    scale; norms: optional precomputed :func:`per_head_l1_norms` of ``value``. Everything is
+    computed in float32.
+    """
+
+    def __init__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query_pos: torch.Tensor,
+        proj: OutputProjection,
+        scaling: float,
+        key_pos: torch.Tensor | None = None,
+        norms: torch.Tensor | None = None,
+    ) -> None:
+        h_q, t, dim = query.shape
+        h_kv, n, _ = key.shape
+        if h_q % h_kv:
+            raise ValueError(f"{h_q} query heads do not group into {h_kv} KV heads")
+        self.groups = h_q // h_kv
+        key_pos = torch.arange(n, device=key.device) if key_pos is None else key_pos.to(key.device)
+        q = query.float().reshape(h_kv, self.groups, t, dim)
+        logits = torch.einsum("kgtd,knd->kgtn", q, key.float()) * scaling
+        self.visible = key_pos[None, :] <= query_pos.to(key.device)[:, None]  # (T, N)
+        if not bool(self.visible.any(-1).all()):
+            raise ValueError("every query must see at least one key (check query_pos / key_pos)")
+        self.logits = logits.masked_fill(~self.visible, float("-inf"))
+        self.probs = torch.softmax(self.logits, dim=-1)  # (H_kv, G, T, N)
+        self.values = value.float()
+        self.norms = per_head_l1_norms(value, proj) if norms is None else norms.float()  # (H_kv, G, N)
+        self.w = proj.per_kv.view(h_kv, dim, self.groups, proj.hidden)  # w[k, :, g] = W_O^h
+        self._pm = self.probs * self.norms[:, :, None, :]  # A_i m_{h,i}
+
+    def evaluate(self, keep: torch.Tensor) -> HeadStats:
+        """keep: (H_kv, N) bool, the kept set of every KV head (over all N keys)."""
+        keep = keep.to(self.logits.device, torch.bool)
+        if keep.shape != (self.logits.shape[0], self.logits.shape[-1]):
+            expected = (self.logits.shape[0], self.logits.shape[-1])
+            raise ValueError(f"keep must be (H_kv, N) = {expected}, got {tuple(keep.shape)}")
+        mask = keep[:, None, None, :]
+        if not bool((mask & self.visible).any(-1).all()):
+            raise ValueError("a query sees no kept key (keep the queries' own positions)")
+        probs_hat = torch.softmax(self.logits.masked_fill(~mask, float("-inf")), dim=-1)
+        delta = torch.einsum("kgtn,knd->kgtd", self.probs - probs_hat, self.values)  # o - ô
+        projected = torch.einsum("kgtd,kdge->kgte", delta, self.w)  # (H_kv, G, T, hidden)
+        per_head = projected.abs().sum(-1)  # (H_kv, G, T)
+        group = projected.sum(1).abs().sum(-1)  # (H_kv, T)
+        evicted = ~mask
+        e_term = (self._pm * evicted).sum(-1)  # (H_kv, G, T)
+        k_term = (self._pm * mask).sum(-1)
+        e_mass = (self.probs * evicted).sum(-1)
+        k_mass = (self.probs * mask).sum(-1)
+        bound = e_term + e_mass / k_mass * k_term
+        return HeadStats(
+            perturbation=per_head.mean((1, 2)).double(),
+            group_perturbation=group.mean(-1).double(),
+            bound=bound.mean((1, 2)).double(),
+            evicted_term=e_term.mean((1, 2)).double(),
+            evicted_mass=e_mass.mean((1, 2)).double(),
+        )
+
+
+# --------------------------------------------------------------------------- capture attention
+
+
+def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Plain causal attention (no padding, no cache) that also hands q/k/v to the recorder."""
+    recorder = kwargs.get("perturbation_recorder")
+    if recorder is None:
+        raise RuntimeError(f"{CAPTURE_ATTENTION} attention needs `perturbation_recorder=` in the model call")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError(f"{CAPTURE_ATTENTION} runs on a single full forward without a cache")
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    recorder.on_layer(module, query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_capture() -> str:
+    """Register the capture attention with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+    return CAPTURE_ATTENTION
+
+
+# --------------------------------------------------------------------------- per-document analysis
+
+
+def base_method(method: str) -> str:
+    """``criticalkv-adakv-snapkv`` -> ``adakv-snapkv``; other names unchanged."""
+    return method.removeprefix("criticalkv-")
+
+
+def method_configs(
+    methods: Sequence[str], cache_sizes: float | Sequence[float], base: CompressionConfig | None = None
+) -> dict[str, CompressionConfig]:
+    """One validated :class:`CompressionConfig` per (method, cache size), keyed ``"method@size"``,
+    sharing ``base``'s other knobs (window, pooling, epsilon, priors ...)."""
+    sizes = [cache_sizes] if isinstance(cache_sizes, (int, float)) else list(cache_sizes)
+    fields = (base or CompressionConfig()).model_dump()
+    fields.update(budget=None, query_aware=False, max_cache_tokens=None)
+    return {
+        f"{m}@{cs:g}": CompressionConfig(**{**fields, "method": m, "cache_size": cs}) for cs in sizes for m in methods
+    }
+
+
+class _Recorder:
+    """Analyses each layer as the capture forward reaches it (see module docstring, steps 2-3)."""
+
+    def __init__(self, compressors: dict[str, Compressor], context_tokens: int, window_queries: int) -> None:
+        self.compressors = compressors
+        self.n = context_tokens
+        self.window_queries = min(window_queries, context_tokens)
+        self.results: dict[str, list[tuple[int, torch.Tensor, dict[str, HeadStats], torch.Tensor]]] = {
+            m: [] for m in compressors
+        }
+        self.layers: dict[str, dict[int, VarLenLayer]] = {m: {} for m in [*compressors, _REFERENCE]}
+
+    @torch.no_grad()
+    def on_layer(self, module, query, key, value, scaling) -> None:
+        idx = module.layer_idx
+        n = self.n
+        bsz, h_kv, total, dim = key.shape
+        if bsz != 1:
+            raise ValueError("perturbation diagnostics run one document at a time (batch 1)")
+        q_ctx, k_ctx, v_ctx = query[:, :, :n], key[:, :, :n], value[:, :, :n]
+        positions = torch.arange(n, device=key.device)[None]
+        proj = OutputProjection.from_weight(module.o_proj.weight, h_kv, dim)
+        probe = LayerProbe(query[0, :, n:], key[0], value[0], torch.arange(n, total, device=key.device), proj, scaling)
+        probes = {"later": probe}
+        w = self.window_queries
+        if w > 0:
+            probes["window"] = LayerProbe(
+                query[0, :, n - w : n], k_ctx[0], v_ctx[0], torch.arange(n - w, n, device=key.device), proj, scaling,
+                norms=probe.norms[:, :, :n],
+            )
+        mean_norms = probe.norms[:, :, :n].mean(1)  # (H_kv, n), group mean as in the method
+        later = torch.ones(h_kv, total - n, dtype=torch.bool, device=key.device)
+        scores_cache: dict[tuple, torch.Tensor] = {}
+        for name, compressor in self.compressors.items():
+            cfg = compressor.config
+            keep = compressor.compress_layer(idx, module, q_ctx, k_ctx, v_ctx, positions, scaling).keep
+            stats = {"later": probe.evaluate(torch.cat([keep[0], later], dim=-1))}
+            if "window" in probes:
+                stats["window"] = probes["window"].evaluate(keep[0])
+            proxy = torch.full((h_kv,), float("nan"), dtype=torch.float64)
+            if cfg.scorer == "snapkv":
+                skey = (cfg.cache_size, cfg.budget, cfg.window, cfg.kernel, cfg.pooling)
+                if skey not in scores_cache:
+                    _, row_w = row_budgets(torch.tensor([n], device=key.device), cfg.cache_size, cfg.budget, cfg.window)
+                    scores_cache[skey] = snapkv_scores(q_ctx, k_ctx, positions, row_w, cfg.kernel, cfg.pooling, scaling)[0]
+                s = scores_cache[skey]
+                evicted = ~keep[0]
+                weight = torch.where(evicted, s.clamp(min=0).nan_to_num(0.0, posinf=0.0) + cfg.epsilon, torch.zeros_like(s))
+                proxy = (weight * mean_norms).sum(-1).double().cpu()
+            self.results[name].append((idx, keep[0].sum(-1).cpu(), stats, proxy))
+            self.layers[name][idx] = VarLenLayer.from_dense(k_ctx, v_ctx, positions, keep)
+        full = torch.ones(1, h_kv, n, dtype=torch.bool, device=key.device)
+        self.layers[_REFERENCE][idx] = VarLenLayer.from_dense(k_ctx, v_ctx, positions, full)
+
+
+def _check_model(model, total: int) -> None:
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and getattr(model.config, "use_sliding_window", True) and window < total:
+        raise ValueError(
+            f"model uses sliding-window attention ({window} tokens) shorter than the sequence ({total}); "
+            "the diagnostics assume full causal attention"
+        )
+
+
+def _load_priors(cfg: CompressionConfig, model) -> torch.Tensor | None:
+    if cfg.head_priors is None:
+        return None
+    from ..engine.engine import load_head_priors
+
+    c = model.config
+    return load_head_priors(cfg.head_priors, c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+
+
+def _run_later(model, layers: dict[int, VarLenLayer], compressor: Compressor, later: torch.Tensor, n: int) -> torch.Tensor:
+    """Final hidden states (T, hidden) of the later tokens over a cache holding ``layers``."""
+    cache = VarLenCache(model.config.num_hidden_layers, compressor)
+    cache.store = [layers[i] for i in range(model.config.num_hidden_layers)]
+    pos = torch.arange(n, n + later.shape[-1], device=later.device)[None]
+    cache.begin_chunk(pos)
+    out = model.base_model(input_ids=later[None], position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True)
+    return out.last_hidden_state[0].float()
+
+
+@torch.inference_mode()
+def analyse_document(
+    model: torch.nn.Module,
+    context_ids: Sequence[int] | torch.Tensor,
+    query_ids: Sequence[int] | torch.Tensor,
+    configs: dict[str, CompressionConfig],
+    doc_id: str = "doc",
+    query_kind: str = "question",
+    model_name: str = "",
+    window_queries: int | None = None,
+) -> pa.Table:
+    """Perturbation diagnostics of every method in ``configs`` on one document (:data:`SCHEMA` rows).
+
+    context_ids: the context that is prefilled and compressed (n tokens); query_ids: the later
+    tokens (T >= 1) whose attention is measured, at positions n .. n+T-1. ``configs`` maps any
+    unique label to a :class:`CompressionConfig` (see :func:`method_configs`; the ``method`` and
+    ``cache_size`` columns come from the config, so several cache sizes share one capture forward); HeadKV priors are
+    read from each config's ``head_priors``. ``window_queries`` (default: the largest ``window`` of
+    the configs): how many of the context's last queries form the in-sample ``probe="window"`` rows
+    (0 = none). The model's attention implementation is restored afterwards.
+    """
+    device = next(model.parameters()).device
+    ctx = torch.as_tensor(context_ids, dtype=torch.long, device=device).reshape(-1)
+    later = torch.as_tensor(query_ids, dtype=torch.long, device=device).reshape(-1)
+    n, t = ctx.numel(), later.numel()
+    if n == 0 or t == 0:
+        raise ValueError("need a non-empty context and at least one later query token")
+    _check_model(model, n + t)
+    for name, cfg in configs.items():
+        if cfg.max_cache_tokens is not None or cfg.query_aware:
+            raise ValueError(f"{name}: the diagnostics measure prefill compression only (no max_cache_tokens / query_aware)")
+    compressors = {name: Compressor(cfg, _load_priors(cfg, model)) for name, cfg in configs.items()}
+    if window_queries is None:
+        window_queries = max((cfg.window for cfg in configs.values()), default=0)
+    recorder = _Recorder(compressors, n, window_queries)
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(register_capture())
+        ids = torch.cat([ctx, later])[None]
+        model.base_model(input_ids=ids, position_ids=torch.arange(n + t, device=device)[None], use_cache=False,
+                         perturbation_recorder=recorder)
+        model.set_attn_implementation(register_varlen_attention())
+        reference_compressor = Compressor(CompressionConfig(method="none"))
+        h_ref = _run_later(model, recorder.layers[_REFERENCE], reference_compressor, later, n)
+        head = model.get_output_embeddings()
+        top_ref = head(h_ref).argmax(-1)
+        rows: dict[str, list] = {f.name: [] for f in SCHEMA}
+        for name, cfg in configs.items():
+            h_hat = _run_later(model, recorder.layers[name], compressors[name], later, n)
+            deviation = float(((h_hat - h_ref).norm(dim=-1) / h_ref.norm(dim=-1).clamp(min=1e-12)).mean())
+            agreement = float((head(h_hat).argmax(-1) == top_ref).float().mean())
+            for layer, kept, per_probe, proxy in recorder.results[name]:
+                for (probe_name, stats), k in ((item, k) for item in per_probe.items() for k in range(kept.numel())):
+                    later_probe = probe_name == "later"
+                    rows["doc_id"].append(doc_id)
+                    rows["query_kind"].append(query_kind)
+                    rows["probe"].append(probe_name)
+                    rows["model"].append(model_name)
+                    rows["method"].append(cfg.method)
+                    rows["base_method"].append(base_method(cfg.method))
+                    rows["criticalkv"].append(cfg.uses_criticalkv)
+                    rows["cache_size"].append(float(cfg.cache_size))
+                    rows["context_tokens"].append(n)
+                    rows["query_tokens"].append(t if later_probe else recorder.window_queries)
+                    rows["layer"].append(layer)
+                    rows["kv_head"].append(k)
+                    rows["kept"].append(int(kept[k]))
+                    for field in ("perturbation", "group_perturbation", "bound", "evicted_term", "evicted_mass"):
+                        rows[field].append(float(getattr(stats, field)[k]))
+                    rows["proxy_objective"].append(float(proxy[k]))
+                    rows["hidden_deviation"].append(deviation if later_probe else None)
+                    rows["top1_agreement"].append(agreement if later_probe else None)
+    finally:
+        model.set_attn_implementation(previous)
+    return pa.Table.from_pydict(rows, schema=SCHEMA)
+
+
+# --------------------------------------------------------------------------- documents
+
+
+@dataclass
+class Document:
+    """A context and the later tokens whose attention is measured."""
+
+    doc_id: str
+    context_ids: list[int]
+    query_ids: list[int]
+    query_kind: str  # "question" | "continuation"
+
+
+def question_documents(
+    tokenizer, length: int, samples: int, seed: int = 0, task: str = "niah_single_2", use_chat_template: bool = True
+) -> list[Document]:
+    """RULER-style documents (default ``niah_single_2``: essay haystack, one number needle).
+
+    The context chunk is encoded as the engine does (:class:`~pipeline.engine.prompts.PromptBuilder`);
+    the later tokens are the question chunk (question + chat template tail + answer prefix) followed
+    by the reference answer, teacher-forced (`` " " + reference[0]``).
+    """
+    from ..engine.prompts import PromptBuilder
+    from .ruler import generate_task
+
+    builder = PromptBuilder(tokenizer, use_chat_template)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    docs = []
+    for row in generate_task(task, length, count, samples, seed):
+        prompt = builder.encode(row["context"], [row["question"]], row["answer_prefix"])
+        answer = list(tokenizer(" " + row["reference"][0], add_special_tokens=False)["input_ids"])
+        docs.append(Document(row["doc_id"], prompt.context_ids, prompt.question_ids[0] + answer, "question"))
+    return docs
+
+
+def continuation_documents(tokenizer, length: int, samples: int, query_tokens: int = 64, seed: int = 0) -> list[Document]:
+    """Plain-text documents from the essay haystack: the first ``length`` tokens are the context, the
+    next ``query_tokens`` tokens of the same text are the later queries (language-model continuation).
+    Each sample starts at a seeded random word of the essays."""
+    from .ruler_data import essay_words
+
+    words = list(essay_words())
+    words = words + words  # a sample may start near the end: wrap around
+    rng = random.Random(seed)
+    need = length + query_tokens
+    docs = []
+    for i in range(samples):
+        start = rng.randrange(len(words) // 2)
+        take = max(need, 64)
+        while True:
+            ids = list(tokenizer(" ".join(words[start : start + take]), add_special_tokens=True)["input_ids"])
+            if len(ids) >= need or take >= len(words) // 2:
+                break
+            take = int(take * 1.5) + 16
+        if len(ids) < need:
+            raise ValueError(f"the essay haystack is too short for {need} tokens")
+        docs.append(Document(f"continuation-{length}-s{seed}-{i:05d}", ids[:length], ids[length:need], "continuation"))
+    return docs
+
+
+# --------------------------------------------------------------------------- runs and summaries
+
+
+def run_perturbation(
+    model: torch.nn.Module,
+    documents: Iterable[Document],
+    configs: dict[str, CompressionConfig],
+    model_name: str = "",
+    progress: Callable[[str], None] | None = None,
+    window_queries: int | None = None,
+) -> pa.Table:
+    """:func:`analyse_document` over several documents, concatenated."""
+    tables = []
+    for doc in documents:
+        tables.append(
+            analyse_document(model, doc.context_ids, doc.query_ids, configs, doc.doc_id, doc.query_kind, model_name, window_queries)
+        )
+        if progress is not None:
+            progress(f"{doc.doc_id}: {len(doc.context_ids)} context + {len(doc.query_ids)} query tokens done")
+    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+
+
+def headline(table: pa.Table) -> list[dict]:
+    """CriticalKV vs its base method, per (probe, cache_size, method) present in ``table``.
+
+    For every ``criticalkv-X`` method whose base ``X`` is also in the table, pairs the rows on
+    (doc_id, query_kind, probe, cache_size, layer, kv_head) and returns dicts with ``probe``, ``method``,
+    ``base_method``, ``cache_size``, ``heads`` (pairs), ``fraction_lower`` (strictly lower
+    ``perturbation``), ``fraction_equal``, ``median_ratio`` (median of perturbation / base
+    perturbation over pairs where the base is > 0), ``mean_perturbation`` / ``base_mean_perturbation``,
+    ``hidden_deviation`` / ``base_hidden_deviation`` (means over documents; None for the window probe).
+    """
+    cols = table.select(
+        ["doc_id", "query_kind", "probe", "method", "base_method", "criticalkv", "cache_size", "layer", "kv_head",
+         "perturbation", "hidden_deviation"]
+    ).to_pylist()
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in cols:
+        key = (r["doc_id"], r["query_kind"], r["probe"], r["cache_size"], r["layer"], r["kv_head"])
+        by_key.setdefault(key, {})[r["method"]] = r
+    methods = sorted({(r["probe"], r["method"], r["base_method"], r["cache_size"]) for r in cols if r["criticalkv"]})
+    out = []
+    for probe, method, base, cache_size in methods:
+        pairs = [
+            (ms[method], ms[base])
+            for key, ms in by_key.items()
+            if key[2] == probe and key[3] == cache_size and method in ms and base in ms
+        ]
+        if not pairs:
+            continue
+        lower = sum(1 for c, b in pairs if c["perturbation"] < b["perturbation"])
+        equal = sum(1 for c, b in pairs if c["perturbation"] == b["perturbation"])
+        ratios = sorted(c["perturbation"] / b["perturbation"] for c, b in pairs if b["perturbation"] > 0)
+        docs_c = {(c["doc_id"], c["query_kind"]): c["hidden_deviation"] for c, _ in pairs}
+        docs_b = {(b["doc_id"], b["query_kind"]): b["hidden_deviation"] for _, b in pairs}
+        later = probe == "later"
+        out.append(
+            {
+                "probe": probe,
+                "method": method,
+                "base_method": base,
+                "cache_size": cache_size,
+                "heads": len(pairs),
+                "fraction_lower": lower / len(pairs),
+                "fraction_equal": equal / len(pairs),
+                "median_ratio": ratios[len(ratios) // 2] if ratios else math.nan,
+                "mean_perturbation": sum(c["perturbation"] for c, _ in pairs) / len(pairs),
+                "base_mean_perturbation": sum(b["perturbation"] for _, b in pairs) / len(pairs),
+                "hidden_deviation": sum(docs_c.values()) / len(docs_c) if later else None,
+                "base_hidden_deviation": sum(docs_b.values()) / len(docs_b) if later else None,
+            }
+        )
+    return out
+
+
+def format_headline(rows: list[dict]) -> str:
+    """One line per pair, e.g. ``[later] criticalkv-snapkv vs snapkv @ cache 0.2: perturbation lower in ...``."""
+    lines = []
+    for r in rows:
+        line = (
+            f"[{r['probe']}] {r['method']} vs {r['base_method']} @ cache {r['cache_size']:g}: perturbation lower in "
+            f"{100 * r['fraction_lower']:.1f}% of {r['heads']} (doc, layer, kv-head) "
+            f"(equal {100 * r['fraction_equal']:.1f}%), median ratio {r['median_ratio']:.3f}, "
+            f"mean {r['mean_perturbation']:.4g} vs {r['base_mean_perturbation']:.4g}"
+        )
+        if r["hidden_deviation"] is not None:
+            line += f"; hidden deviation {r['hidden_deviation']:.4f} vs {r['base_hidden_deviation']:.4f}"
+        lines.append(line)
+    return "\n".join(lines)
