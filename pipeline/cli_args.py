@@ -35,7 +35,8 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--epsilon", type=float, default=1e-4, help="CriticalKV epsilon")
     g.add_argument("--norm", default="l1", choices=["l1", "l2"], help="projected value norm")
     g.add_argument("--alpha-safeguard", type=float, default=0.2, help="AdaKV/HeadKV per-head floor")
-    g.add_argument("--head-priors", default=None, help="HeadKV per-head importance JSON")
+    g.add_argument("--head-priors", default=None,
+                   help="HeadKV per-head importance JSON (default for smollm2: the shipped calibration)")
     g.add_argument("--max-cache-tokens", type=int, default=None, help="decode-time cap per KV head")
     g.add_argument("--query-aware", action="store_true", help="compress with the question in the window")
 
@@ -54,11 +55,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, Compressio
             name=args.model, device=args.device, dtype=args.dtype,
             trust_remote_code=args.trust_remote_code, max_context_tokens=args.max_context_tokens,
         )
+        head_priors = args.head_priors
+        if head_priors is None and "headkv" in args.method.lower():
+            head_priors = default_head_priors(args.model)
         compression = CompressionConfig(
             method=args.method, cache_size=args.cache_size, budget=args.budget, window=args.window,
             kernel=args.kernel, pooling=args.pooling, first_stage_ratio=args.first_stage_ratio,
             epsilon=args.epsilon, norm=args.norm, alpha_safeguard=args.alpha_safeguard,
-            head_priors=args.head_priors, max_cache_tokens=args.max_cache_tokens, query_aware=args.query_aware,
+            head_priors=head_priors, max_cache_tokens=args.max_cache_tokens, query_aware=args.query_aware,
         )
         generation = GenerationConfig(
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, truncate=args.truncate
@@ -66,6 +70,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, Compressio
     except ValidationError as exc:
         fail(format_validation_error(exc))
     return model, compression, generation
+
+
+def default_head_priors(model: str) -> str | None:
+    """The HeadKV priors file shipped for a model short name (``smollm2``), if any."""
+    from .eval.calibration import shipped_priors
+
+    path = shipped_priors(model)
+    return str(path) if path is not None else None
 
 
 def format_validation_error(exc: ValidationError) -> str:

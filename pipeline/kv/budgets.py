@@ -8,9 +8,11 @@
   (k = H_kv * b) decides each head's count; a safeguard gives every head at least
   ``floor(alpha_safeguard * b)`` of its own best entries.
 * HeadKV (Fu et al., arXiv 2410.19258): static budgets from per-head importance priors shared
-  across all layers: ``b_lh = b * (alpha + (1 - alpha) * L * H * p_lh / sum(p))`` (a floor of
-  ``alpha * b`` per head plus a share of the pool proportional to the head's prior), rounded
-  down and clamped to ``[window, n_b]``.
+  across all layers: head (l, h) gets weight ``w_lh = alpha + (1 - alpha) * L * H * p_lh / sum(p)``
+  (a floor of ``alpha * b`` plus a share of the pool proportional to its prior; weights average
+  1) and the row's whole pool ``L * H * b`` is split as ``min(n_b, c * w_lh)`` with ``c`` chosen by
+  water-filling, so the budget a saturated head cannot use (it already keeps its whole context) goes
+  to the others and the total kept stays ``L * H * b``; then rounded down and raised to the window.
 
 CriticalKV never changes these counts, only which entries fill them.
 """
@@ -79,9 +81,28 @@ def headkv_head_budgets(
     priors: (L, H) non-negative per-KV-head importance for all layers; returns (B, H) long.
     """
     priors = priors.double().clamp(min=0)
-    total = priors.sum()
     num_layers, heads = priors.shape
-    share = priors[layer_idx] * (num_layers * heads) / total if total > 0 else torch.ones(heads, dtype=torch.double)
-    factor = alpha_safeguard + (1.0 - alpha_safeguard) * share  # (H,)
-    b = torch.floor(row_budget.double()[:, None] * factor[None, :].to(row_budget.device)).to(torch.long)
-    return torch.minimum(torch.maximum(b, row_window[:, None]), lengths.to(torch.long)[:, None])
+    total = priors.sum()
+    share = priors * (num_layers * heads) / total if total > 0 else torch.ones_like(priors)
+    weight = (alpha_safeguard + (1.0 - alpha_safeguard) * share).reshape(-1)  # (L*H,)
+    out = []
+    for b, n, w in zip(row_budget.tolist(), lengths.tolist(), row_window.tolist()):
+        alloc = _water_fill(weight, float(b) * weight.numel(), float(n))
+        layer = torch.floor(alloc.view(num_layers, heads)[layer_idx] + 1e-9).long()
+        out.append(layer.clamp(min=w, max=n))
+    return torch.stack(out).to(row_budget.device)
+
+
+def _water_fill(weight: torch.Tensor, total: float, cap: float) -> torch.Tensor:
+    """x = min(cap, c * weight) with sum(x) = total (or every x = cap if total exceeds that)."""
+    saturated = torch.zeros_like(weight, dtype=torch.bool)
+    for _ in range(weight.numel() + 1):
+        free = weight.masked_fill(saturated, 0.0).sum()
+        if free <= 0:
+            break
+        c = (total - cap * saturated.sum()) / free
+        newly = ~saturated & (c * weight > cap)
+        if not bool(newly.any()):
+            break
+        saturated |= newly
+    return torch.where(saturated, torch.full_like(weight, cap), c * weight)

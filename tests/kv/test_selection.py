@@ -115,11 +115,21 @@ def test_adakv_budgets_match_reference_and_floor():
 
 def test_headkv_budgets_follow_priors():
     priors = torch.tensor([[1.0, 3.0], [0.0, 4.0]])  # (L, H)
-    got = headkv_head_budgets(priors, 0, torch.tensor([100]), torch.tensor([4]), torch.tensor([1000]), 0.2)
-    # pool share: L*H*p/sum = 4*p/8 -> 0.5 and 1.5; budget = 100*(0.2 + 0.8*share)
-    assert got.tolist() == [[60, 140]]
-    got1 = headkv_head_budgets(priors, 1, torch.tensor([100]), torch.tensor([4]), torch.tensor([1000]), 0.2)
-    assert got1.tolist() == [[20, 180]]
+    args = (torch.tensor([100]), torch.tensor([4]), torch.tensor([1000]), 0.2)
+    # weights 0.2 + 0.8 * 4 * p / 8 -> [[0.6, 1.4], [0.2, 1.8]]; no head saturates at n = 1000
+    assert headkv_head_budgets(priors, 0, *args).tolist() == [[60, 140]]
+    assert headkv_head_budgets(priors, 1, *args).tolist() == [[20, 180]]
+
+
+def test_headkv_redistributes_what_saturated_heads_cannot_use():
+    priors = torch.tensor([[0.0, 0.0, 0.0, 10.0], [0.0, 1.0, 0.0, 0.0]])
+    n, b = 100, 40
+    layers = [headkv_head_budgets(priors, layer, torch.tensor([b]), torch.tensor([4]), torch.tensor([n]), 0.2)[0]
+              for layer in range(2)]
+    budgets = torch.stack(layers)
+    assert budgets.max() <= n and budgets[0, 3] == n  # the dominant head keeps its whole context
+    assert abs(int(budgets.sum()) - 8 * b) <= 8  # the pool is still used in full (floors aside)
+    assert budgets[1, 1] > budgets[0, 0]  # the rest follows the priors
 
 
 def test_row_budgets_per_row():
