@@ -12,10 +12,19 @@ def build_report(inputs: list[Path], out_dir: Path) -> Path:
     """Read every result row under ``inputs``, write ``out_dir/report.md`` and PNGs; return the md path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = tables.read_outputs([Path(p) for p in inputs])
+    perturbation_files = [Path(p) / "perturbation.parquet" for p in inputs if (Path(p) / "perturbation.parquet").is_file()]
+    perturbation_files += [Path(p) for p in inputs if Path(p).name == "perturbation.parquet"]
+    result_inputs = [Path(p) for p in inputs if Path(p).name != "perturbation.parquet" and _has_results(Path(p))]
+    table = tables.read_outputs(result_inputs) if result_inputs else None
     parts = [f"# Report\n\nGenerated {dt.datetime.now().isoformat(timespec='seconds')} from "
-             f"{', '.join(str(p) for p in inputs)} ({table.num_rows} rows).\n"]
-    parts += ["## Rows\n", tables.markdown(tables.overview(table))]
+             f"{', '.join(str(p) for p in inputs)}.\n"]
+    if perturbation_files:
+        parts += _perturbation_section(perturbation_files, out_dir)
+    if table is None:
+        path = out_dir / "report.md"
+        path.write_text("\n".join(parts))
+        return path
+    parts += [f"## Rows ({table.num_rows})\n", tables.markdown(tables.overview(table))]
 
     quality, tasks = tables.quality(table)
     if quality:
@@ -38,3 +47,29 @@ def build_report(inputs: list[Path], out_dir: Path) -> Path:
     path = out_dir / "report.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def _has_results(path: Path) -> bool:
+    if path.is_file():
+        return path.suffix == ".parquet"
+    root = path / "data" if (path / "data").is_dir() else path
+    return any(p.name != "perturbation.parquet" for p in root.rglob("*.parquet"))
+
+
+def _perturbation_section(files: list[Path], out_dir: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ..eval.perturbation import headline
+
+    table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
+    rows = headline(table)
+    cols = ["probe", "method", "base_method", "cache_size", "heads", "fraction_lower", "median_ratio",
+            "mean_perturbation", "base_mean_perturbation", "hidden_deviation", "base_hidden_deviation"]
+    parts = ["## Perturbation: CriticalKV vs its base method\n",
+             "`fraction_lower`: share of (document, layer, KV head) where CriticalKV's measured attention-output "
+             "perturbation ‖(o − ô) W_O‖₁ is lower than its base method's at the same budget.\n",
+             tables.markdown(rows, [c for c in cols if rows and c in rows[0]])]
+    if plots.perturbation_heatmaps(table, out_dir / "perturbation_heatmap.png") is not None:
+        parts.append("![perturbation heatmap](perturbation_heatmap.png)\n")
+    return parts

@@ -95,3 +95,44 @@ def costs(cost_rows: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def perturbation_heatmaps(table, path: Path, probe: str = "later") -> Path | None:
+    """Per (layer, KV head): log2 of CriticalKV's mean perturbation over its base method's
+    (blue = CriticalKV perturbs less). One panel per (criticalkv method, cache size)."""
+    import math
+    from collections import defaultdict
+
+    rows = [r for r in table.select(["probe", "method", "base_method", "criticalkv", "cache_size", "layer", "kv_head",
+                                     "perturbation"]).to_pylist() if r["probe"] == probe]
+    sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0])
+    for r in rows:
+        acc = sums[(r["method"], r["cache_size"], r["layer"], r["kv_head"])]
+        acc[0] += r["perturbation"]
+        acc[1] += 1
+    panels = sorted({(r["method"], r["base_method"], r["cache_size"]) for r in rows if r["criticalkv"]})
+    panels = [p for p in panels if any(k[0] == p[1] and k[1] == p[2] for k in sums)]
+    if not panels:
+        return None
+    layers = 1 + max(r["layer"] for r in rows)
+    heads = 1 + max(r["kv_head"] for r in rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 1.0 * heads * len(panels), 0.18 * layers + 2), squeeze=False)
+    image = None
+    for i, (ax, (method, base, size)) in enumerate(zip(axes.flat, panels)):
+        grid = [[float("nan")] * heads for _ in range(layers)]
+        for layer in range(layers):
+            for head in range(heads):
+                c, b = sums.get((method, size, layer, head)), sums.get((base, size, layer, head))
+                if c and b and c[1] and b[1] and b[0] > 0 and c[0] > 0:
+                    grid[layer][head] = math.log2((c[0] / c[1]) / (b[0] / b[1]))
+        image = ax.imshow(grid, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto", origin="lower")
+        ax.set_title(f"{method}\nvs {base} @ {size:g}", fontsize=8)
+        ax.set_xlabel("KV head")
+        if i == 0:
+            ax.set_ylabel("layer")
+        ax.set_xticks(range(heads))
+    fig.colorbar(image, ax=list(axes.flat), label="log2(perturbation ratio); < 0: CriticalKV lower")
+    fig.suptitle(f"Attention-output perturbation, CriticalKV vs base ({probe} queries)", fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -48,3 +48,22 @@ def test_report_files_and_cli(tmp_path):
         assert (out / name).stat().st_size > 5000
     assert main([str(out)]) == 0
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_perturbation_section(tmp_path):
+    import pyarrow as pa
+
+    rows = []
+    for method, base, crit, value in [("snapkv", "snapkv", False, 2.0), ("criticalkv-snapkv", "snapkv", True, 1.0)]:
+        for layer in range(3):
+            for head in range(2):
+                rows.append(dict(doc_id="d", query_kind="question", probe="later", method=method, base_method=base,
+                                 criticalkv=crit, cache_size=0.2, layer=layer, kv_head=head,
+                                 perturbation=value * (2.0 if (layer, head) == (0, 0) and crit else 1.0),
+                                 hidden_deviation=0.1))
+    out = tmp_path / "pert"
+    out.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), out / "perturbation.parquet")
+    text = build_report([out], out).read_text()
+    assert "| later | criticalkv-snapkv | snapkv | 0.200 | 6 | 0.833 |" in text
+    assert (out / "perturbation_heatmap.png").stat().st_size > 5000
