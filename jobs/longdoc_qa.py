@@ -1,0 +1,19 @@
+"""Answer questions about long documents on Ray with CriticalKV-compressed KV caches.
+
+    python jobs/longdoc_qa.py                                   # built-in samples, SmolLM2, CPU
+    python jobs/longdoc_qa.py --input docs.parquet --output OUT --method criticalkv-snapkv --cache-size 0.5
+    ray job submit --working-dir . -- python jobs/longdoc_qa.py --input ... --output /shared/OUT
+
+Rerunning into the same --output resumes: only documents without committed rows are processed.
+All options: --help. The work is done by pipeline.distributed (this file only starts it).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain checkout (ray job submit --working-dir .)
+
+from pipeline.distributed.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main("longdoc_qa"))

@@ -1,0 +1,20 @@
+"""Summarise long documents on Ray with CriticalKV-compressed KV caches.
+
+    python jobs/summarize.py                                    # built-in sample reports, SmolLM2, CPU
+    python jobs/summarize.py --input reports.jsonl --output OUT --context-column text --max-new-tokens 200
+    ray job submit --working-dir . -- python jobs/summarize.py --input ... --output /shared/OUT
+
+Every document gets one question, the instruction (--instruction, default "Summarize the document in
+a few sentences."); question columns of the input are ignored. Rerunning into the same --output
+resumes. All options: --help. The work is done by pipeline.distributed (this file only starts it).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain checkout (ray job submit --working-dir .)
+
+from pipeline.distributed.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main("summarize"))

@@ -1,0 +1,594 @@
+"""The batch-job driver: input → normalised documents → Ray actor pool → committed Parquet.
+
+``run_job(JobConfig)`` does, in this order (everything that can be wrong with the configuration
+fails before Ray starts, with :class:`JobConfigError` naming the field):
+
+1. **Output check**: ``output`` must be a new directory, an empty one, or one written by an
+   earlier run of the *same* configuration (its ``manifest.json`` records the settings that define
+   a result -- model, method, budgets, decoding, prompts; see ``JobConfig.identity``).
+2. **Input**: documents are normalised to ``DOCUMENT_SCHEMA`` (one row per document, its questions
+   in lists), so that all question rows of a document travel in one batch and share one compressed
+   context. ``normalise="driver"`` (the default for built-in samples, JSONL, ``datasets``
+   directories, hub datasets and Parquet up to 256 MiB) reads and normalises on the driver with
+   :func:`pipeline.data.read_table` / :func:`pipeline.data.normalise_batch` (JSONL lines that cannot
+   be parsed become error rows, duplicate ``doc_id`` values are rejected up front) and hands Ray
+   one block per actor batch. ``normalise="ray"`` (default for larger Parquet inputs) reads with
+   ``ray.data.read_parquet`` and normalises in Ray tasks: ``map_batches(normalise_batch)`` for
+   one-row-per-document inputs, ``groupby(id).map_groups(normalise_batch)`` for
+   one-question-per-row inputs (which then need an id column); the driver only reads the schema.
+3. **Resume**: while holding ``OUT/.lock``, the driver deletes temporary files of killed writes and
+   reads the (doc_id, question_id) keys of the committed files in ``OUT/data``. A document is done
+   when every one of its question ids has a committed row (with ``retry_errors``: a row without
+   ``error``); done documents are not scheduled again.
+4. **Ray**: ``map_batches(Predictor, compute=ActorPoolStrategy(min_actors, max_actors),
+   num_gpus=gpus_per_actor, num_cpus=cpus_per_actor, batch_size=generation.batch_size,
+   batch_format="pyarrow")`` then ``write_datasink(AtomicParquetDatasink)``: Ray Data's
+   ``write_parquet`` with an atomic commit per file (see :mod:`pipeline.distributed.sink`), so files
+   appear one by one as batches finish and a driver killed at any moment leaves only whole files.
+   Ray starts locally when none is running (``ray.init(address="local")``), or connects to
+   ``ray_address`` / ``$RAY_ADDRESS`` (a head started with ``ray start --head``, a cluster, or the
+   cluster a ``ray job submit`` runs on).
+5. **Check and summary**: duplicate keys are removed (:func:`sink.dedupe`), every expected
+   (doc_id, question_id) is checked to be present, the summary table is printed and
+   ``OUT/manifest.json`` records the run (config, versions, host, GPUs, row counts, times).
+
+Why not Ray Data's own ``CheckpointConfig`` (2.60): it filters rows at the *read* operator by an id
+column, so ids must exist before normalisation (documents without ids get content-hash ids here),
+it keeps its own checkpoint files next to the data and deletes them on success by default, and it
+adds an actor pool of its own. The commit-by-rename above gives the same guarantee with files a
+user can inspect, and works the same for in-memory (driver-normalised) inputs.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import getpass
+import json
+import logging
+import os
+import platform
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from pipeline.data.normalise import check_duplicate_ids, normalise_batch
+from pipeline.data.schema import DOCUMENT_SCHEMA, SCHEMA_VERSION
+from pipeline.data.sources import DataSourceError, read_table
+from pipeline.data.synthetic import sample_qa_documents, sample_summarization_documents
+from pipeline.distributed import sink
+from pipeline.job_config import JobConfig, identity_differences
+from pipeline.summary import RunSummary, format_summary, summarize
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+DATA_DIR = "data"
+LOCK = ".lock"
+DRIVER_NORMALISE_MAX_BYTES = 256 * 2**20
+INSTRUCTION_COLUMN = "__instruction__"
+
+
+class JobConfigError(ValueError):
+    """The job cannot start; ``field`` names the setting that is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class JobFailed(RuntimeError):
+    """The Ray pipeline failed part-way; committed rows stay and a rerun resumes after them."""
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    output_dir: Path
+    data_dir: Path
+    manifest_path: Path
+    docs_input: int | None  # None when normalised in Ray (count not known up front)
+    docs_skipped: int
+    docs_scheduled: int | None
+    rows_written: int  # committed by this run (after dedupe)
+    duplicates_removed: int
+    missing_rows: int | None  # expected (doc_id, question_id) keys without a row; None: not checked
+    summary: RunSummary
+    total_rows: int
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- helpers
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def new_run_id() -> str:
+    return _dt.datetime.now().strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:6]}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for dist in ("criticalkv-pipeline", "torch", "transformers", "ray", "pyarrow", "pydantic", "accelerate", "gguf"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _host() -> dict:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - containers without a passwd entry
+        user = None
+    return {"hostname": socket.gethostname(), "platform": platform.platform(), "pid": os.getpid(),
+            "user": user, "cwd": os.getcwd(), "argv": sys.argv}
+
+
+def _cluster_gpus() -> list[dict]:
+    """GPUs per alive Ray node (count and Ray's detected accelerator type), without importing torch."""
+    import ray
+
+    out = []
+    for node in ray.nodes():
+        resources = node.get("Resources", {})
+        if node.get("Alive") and resources.get("GPU"):
+            kinds = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
+            out.append({"node": node.get("NodeManagerAddress"), "gpus": resources["GPU"], "type": kinds or None})
+    return out
+
+
+# ---------------------------------------------------------------------- output directory
+class OutputDir:
+    """The output directory: manifest, lock and committed data (see module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path).expanduser().absolute()
+        self.data = self.path / DATA_DIR
+        self.manifest_path = self.path / MANIFEST
+        self._lock_handle = None
+
+    def load_manifest(self) -> dict | None:
+        if not self.manifest_path.is_file():
+            return None
+        try:
+            return json.loads(self.manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise JobConfigError("output", f"{self.manifest_path} is unreadable ({exc}); use a new output directory") from exc
+
+    def check(self, config: JobConfig) -> dict | None:
+        """Refuse directories this configuration must not write into; returns the manifest."""
+        if self.path.exists() and not self.path.is_dir():
+            raise JobConfigError("output", f"{self.path} is a file; the output must be a directory")
+        manifest = self.load_manifest()
+        if manifest is None:
+            if self.path.is_dir() and any(p.name != DATA_DIR and not p.name.startswith(".") for p in self.path.iterdir()):
+                raise JobConfigError(
+                    "output", f"{self.path} is not empty and holds no {MANIFEST} of this pipeline; "
+                    "choose a new or empty directory")
+            return None
+        if manifest.get("schema_version") != SCHEMA_VERSION:
+            raise JobConfigError(
+                "output", f"{self.path} holds results of output schema version {manifest.get('schema_version')}, "
+                f"this pipeline writes version {SCHEMA_VERSION}; use a new output directory")
+        diffs = identity_differences(manifest.get("identity", {}), config.identity())
+        if diffs:
+            raise JobConfigError(
+                "output", f"{self.path} holds results of a different configuration ({'; '.join(diffs[:6])}); "
+                "rerun with the same settings to resume, or choose a new output directory")
+        return manifest
+
+    def lock(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path / LOCK, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip()
+            handle.close()
+            raise JobConfigError("output", f"another run is writing to {self.path} ({holder or 'lock held'})") from None
+        handle.seek(0), handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        self._lock_handle = handle
+
+    def unlock(self) -> None:
+        if self._lock_handle is not None:
+            fcntl.flock(self._lock_handle, fcntl.LOCK_UN)
+            self._lock_handle.close()
+            self._lock_handle = None
+
+
+# ---------------------------------------------------------------------- input
+def add_instruction_column(table: pa.Table, instruction: str) -> pa.Table:
+    """Raw rows plus a constant question column (summaries: the instruction is the question)."""
+    if INSTRUCTION_COLUMN in table.column_names:
+        table = table.drop_columns([INSTRUCTION_COLUMN])
+    return table.append_column(INSTRUCTION_COLUMN, pa.array([instruction] * table.num_rows, pa.string()))
+
+
+def apply_instruction(table: pa.Table, instruction: str) -> pa.Table:
+    """Normalised documents with the instruction as their only question (id ``"0"``)."""
+    docs = table.to_pylist()
+    for doc in docs:
+        refs = doc.get("references") or None
+        doc["questions"], doc["question_ids"] = [instruction], ["0"]
+        doc["references"] = refs[:1] if refs else None
+    return pa.Table.from_pylist(docs, schema=DOCUMENT_SCHEMA)
+
+
+def _instruction_mapping(config: JobConfig):
+    explicit = config.columns.model_dump(exclude_unset=True)
+    for key in ("question", "questions", "question_id"):
+        explicit.pop(key, None)
+    return type(config.columns)(**explicit, question=INSTRUCTION_COLUMN)
+
+
+def sample_documents(config: JobConfig) -> pa.Table:
+    """The built-in sample documents of the job; their generation limit is the job's
+    ``max_new_tokens`` (user inputs may carry a per-row ``max_new_tokens`` column instead)."""
+    make = sample_qa_documents if config.job == "longdoc_qa" else sample_summarization_documents
+    docs = make(config.sample_docs, config.sample_words, config.sample_seed)
+    for doc in docs:
+        doc["max_new_tokens"] = None
+    return pa.Table.from_pylist(docs, schema=DOCUMENT_SCHEMA)
+
+
+def _parquet_size(path: Path) -> int | None:
+    """Total size of a Parquet input, or None when the input is not Parquet."""
+    if path.is_file():
+        return path.stat().st_size if path.suffix in (".parquet", ".pq") else None
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            return None
+        files = [p for p in path.rglob("*") if p.is_file() and p.suffix in (".parquet", ".pq")
+                 and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)]
+        return sum(p.stat().st_size for p in files) if files else None
+    return None
+
+
+def choose_normalise(config: JobConfig) -> str:
+    if config.normalise != "auto":
+        if config.normalise == "ray" and (config.input is None or _parquet_size(Path(config.input).expanduser()) is None):
+            raise JobConfigError("normalise", "'ray' needs a Parquet file or directory as input")
+        return config.normalise
+    if config.input is None:
+        return "driver"
+    size = _parquet_size(Path(config.input).expanduser())
+    return "ray" if size is not None and size > DRIVER_NORMALISE_MAX_BYTES else "driver"
+
+
+def load_documents(config: JobConfig) -> pa.Table:
+    """Read and normalise the whole input on the driver (``normalise="driver"``)."""
+    if config.input is None:
+        table = sample_documents(config)
+    else:
+        mapping = config.columns
+        try:
+            raw = read_table(config.input, split=config.split, config=config.dataset_config)
+        except (FileNotFoundError, DataSourceError) as exc:
+            raise JobConfigError("input", str(exc)) from exc
+        if config.instruction is not None:
+            raw, mapping = add_instruction_column(raw, config.instruction), _instruction_mapping(config)
+        try:
+            table = normalise_batch(raw, mapping, row_offset=0)
+        except ValueError as exc:
+            raise JobConfigError("columns", str(exc)) from exc
+    if config.instruction is not None:
+        table = apply_instruction(table, config.instruction)
+    try:
+        check_duplicate_ids(table)
+    except ValueError as exc:
+        raise JobConfigError("input", str(exc)) from exc
+    return table
+
+
+def check_model(config: JobConfig) -> None:
+    """Fail fast on a model that cannot be found -- only where the actors will run on this machine
+    (a local Ray); on a cluster the path may exist on the workers only."""
+    if config.engine_factory is not None or config.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    from pipeline.engine.loading import (
+        SHORT_NAMES,
+        ModelNotFoundError,
+        bundled_gguf,
+        resolve_model_path,
+    )
+
+    try:
+        if config.model.name.lower() in SHORT_NAMES:
+            bundled_gguf(config.model.name.lower())
+        else:
+            resolve_model_path(config.model)  # for paths: checks files only; hub ids: nothing to check offline
+    except ModelNotFoundError as exc:
+        raise JobConfigError("model.name", str(exc)) from exc
+
+
+def check_ray_input(config: JobConfig) -> dict:
+    """Schema-only checks for ``normalise="ray"``; returns the resolved column roles."""
+    import pyarrow.dataset as pads
+
+    path = Path(config.input).expanduser()
+    try:
+        schema = pads.dataset(str(path), format="parquet", ignore_prefixes=[".", "_"]).schema
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise JobConfigError("input", f"cannot read the Parquet schema of {path}: {exc}") from exc
+    names = list(schema.names) + ([INSTRUCTION_COLUMN] if config.instruction is not None else [])
+    mapping = _instruction_mapping(config) if config.instruction is not None else config.columns
+    try:
+        cols = mapping.resolve(names)
+    except ValueError as exc:
+        raise JobConfigError("columns", str(exc)) from exc
+    if not cols["listed"] and cols["id"] is None:
+        raise JobConfigError(
+            "columns", "one-question-per-row input normalised in Ray needs a document id column "
+            "(set the id column, or use normalise='driver')")
+    return cols
+
+
+def drop_done(table: pa.Table, done: dict[str, list[str]]) -> pa.Table:
+    """Ray-side resume filter: keep documents that still miss a committed row."""
+    if not done:
+        return table
+    keep = [not (doc_id in done and set(qids) <= set(done[doc_id]))
+            for doc_id, qids in zip(table.column("doc_id").to_pylist(), table.column("question_ids").to_pylist())]
+    return table.filter(pa.array(keep, pa.bool_()))
+
+
+# ---------------------------------------------------------------------- ray
+def ensure_ray(config: JobConfig) -> tuple[bool, str]:
+    """Connect to (or start) Ray; returns (started here, address description)."""
+    import ray
+
+    if ray.is_initialized():
+        return False, "already initialised in this process"
+    address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False, address
+    # workers import pipeline (and an engine_factory module) the way this driver does, installed or not
+    import pipeline
+
+    paths = [str(Path(pipeline.__file__).resolve().parents[1]), os.getcwd(), os.environ.get("PYTHONPATH", "")]
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
+    return True, "local (started by this job)"
+
+
+def _check_resources(config: JobConfig, started_here: bool) -> float:
+    """Resolve cpus per actor and fail fast when a local Ray cannot ever schedule an actor."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    max_cpus = max((r.get("CPU", 0.0) for r in nodes), default=0.0)
+    max_gpus = max((r.get("GPU", 0.0) for r in nodes), default=0.0)
+    cpus = config.resolved_cpus_per_actor(max_cpus or None)
+    problems = []
+    if cpus > max_cpus:
+        problems.append(("cpus_per_actor", f"{cpus:g} CPUs per actor, but the largest node has {max_cpus:g}"))
+    if config.gpus_per_actor > max_gpus:
+        problems.append(("gpus_per_actor", f"{config.gpus_per_actor:g} GPUs per actor, but the largest node has {max_gpus:g}"))
+    for field_name, message in problems:
+        if started_here:
+            raise JobConfigError(field_name, message)
+        logger.warning("%s: %s (waiting for the cluster to scale up)", field_name, message)
+    return cpus
+
+
+def _blocks(table: pa.Table, batch_size: int) -> list[pa.Table]:
+    """One block per actor batch; documents of similar length batched together."""
+    order = list(range(table.num_rows))
+    if batch_size > 1 and table.num_rows > 1:
+        lengths = [len(c) if c else 0 for c in table.column("context").to_pylist()]
+        order.sort(key=lambda i: lengths[i])
+    # take() copies: each block owns its buffers (a slice would ship the whole table's buffers)
+    return [table.take(pa.array(order[i:i + batch_size], pa.int64())) for i in range(0, len(order), batch_size)]
+
+
+def build_dataset(config: JobConfig, docs: pa.Table | None, done: dict[str, list[str]], run_id: str, cpus: float):
+    """The lazy Ray Dataset: documents → Predictor rows (not executed yet)."""
+    import ray
+    from ray.data import ActorPoolStrategy
+
+    from pipeline.distributed.predictor import Predictor
+
+    if docs is not None:
+        blocks = _blocks(docs, config.batch_size)
+        # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
+        ds = ray.data.from_blocks(blocks) if hasattr(ray.data, "from_blocks") else ray.data.from_arrow(blocks)
+    else:
+        path = str(Path(config.input).expanduser())
+        cols = check_ray_input(config)
+        ds = ray.data.read_parquet(path, file_extensions=["parquet", "pq"])
+        mapping = config.columns
+        if config.instruction is not None:
+            ds = ds.map_batches(add_instruction_column, fn_kwargs={"instruction": config.instruction},
+                                batch_format="pyarrow")
+            mapping = _instruction_mapping(config)
+        if cols["listed"]:
+            ds = ds.map_batches(normalise_batch, fn_kwargs={"mapping": mapping}, batch_format="pyarrow")
+        else:
+            ds = ds.groupby(cols["id"]).map_groups(normalise_batch, fn_kwargs={"mapping": mapping},
+                                                   batch_format="pyarrow")
+        if config.instruction is not None:
+            ds = ds.map_batches(apply_instruction, fn_kwargs={"instruction": config.instruction},
+                                batch_format="pyarrow")
+        ds = ds.map_batches(drop_done, fn_kwargs={"done": done}, batch_format="pyarrow")
+    row_fields = {
+        "run_id": run_id, "job": config.job, "model": config.model.name, "method": config.compression.method,
+        "cache_size": config.compression.cache_size, "budget": config.compression.budget,
+    }
+    gpu_args = {"num_gpus": config.gpus_per_actor} if config.gpus_per_actor > 0 else {}
+    return ds.map_batches(
+        Predictor,
+        fn_constructor_kwargs={
+            "model": config.model.model_dump(mode="json"),
+            "compression": config.compression.model_dump(mode="json"),
+            "generation": config.generation.model_dump(mode="json"),
+            "row_fields": row_fields,
+            "engine_factory": config.engine_factory,
+            "faults": config.faults.model_dump(mode="json"),
+        },
+        compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
+        num_cpus=cpus,
+        batch_size=config.batch_size,
+        batch_format="pyarrow",
+        **gpu_args,
+    )
+
+
+# ---------------------------------------------------------------------- the job
+def _finish_manifest_quickly(out: OutputDir, manifest: dict, run: dict, exc: BaseException, status: str) -> None:
+    run.update({"status": status, "ended_at": _now(), "error": f"{type(exc).__name__}: {exc}"[:4000]})
+    manifest["updated_at"] = _now()
+    _write_json(out.manifest_path, manifest)
+
+
+def run_job(config: JobConfig, *, echo: bool = True) -> RunResult:
+    """Run (or resume) a batch job; see the module docstring. Prints the summary when ``echo``."""
+    t0 = time.perf_counter()
+    run_id = new_run_id()
+    out = OutputDir(config.output)
+    manifest = out.check(config)
+    mode = choose_normalise(config)
+    docs = load_documents(config) if mode == "driver" else None
+    if mode == "ray":
+        check_ray_input(config)
+    try:
+        import ray
+
+        ray_running = ray.is_initialized()
+    except ImportError:  # pragma: no cover
+        ray_running = False
+    if not ray_running:
+        check_model(config)
+
+    out.lock()
+    try:
+        return _run_locked(config, out, manifest, docs, mode, run_id, t0, echo)
+    finally:
+        out.unlock()
+
+
+def _run_locked(config, out: OutputDir, manifest, docs, mode, run_id, t0, echo) -> RunResult:
+    manifest = out.check(config)  # again, now that no other run can change the directory
+    out.data.mkdir(parents=True, exist_ok=True)
+    debris = sink.remove_debris(out.data)
+    if manifest is None:
+        manifest = {
+            "schema_version": SCHEMA_VERSION, "job": config.job, "output": str(out.path), "data": DATA_DIR,
+            "identity": config.identity(), "fingerprint": config.fingerprint(), "created_at": _now(), "runs": [],
+        }
+    for old in manifest["runs"]:
+        if old.get("status") == "running":  # its driver died without updating the manifest
+            old["status"] = "interrupted"
+    committed = sink.committed_state(out.data)
+    state = committed.succeeded if config.retry_errors else committed.answered
+
+    expected_keys: set[tuple[str, str]] | None = None
+    docs_input = docs_skipped = docs_scheduled = None
+    if docs is not None:
+        doc_ids = docs.column("doc_id").to_pylist()
+        qids = docs.column("question_ids").to_pylist()
+        expected_keys = {(d, q) for d, qs in zip(doc_ids, qids) for q in qs}
+        keep = [not committed.done(d, qs, config.retry_errors) for d, qs in zip(doc_ids, qids)]
+        docs = docs.filter(pa.array(keep, pa.bool_()))
+        docs_input, docs_scheduled = len(doc_ids), docs.num_rows
+        docs_skipped = docs_input - docs_scheduled
+    run = {
+        "run_id": run_id, "status": "running", "started_at": _now(), "ended_at": None,
+        "config": config.model_dump(mode="json"), "normalise": mode, "host": _host(), "versions": _versions(),
+        "gpu": {}, "temporary_files_removed": debris,
+        "rows": {"committed_before": committed.rows, "docs_input": docs_input, "docs_skipped": docs_skipped,
+                 "docs_scheduled": docs_scheduled},
+    }
+    manifest["runs"].append(run)
+    manifest["updated_at"] = _now()
+    _write_json(out.manifest_path, manifest)
+
+    ray_info: dict = {}
+    error: BaseException | None = None
+    started_here = False
+    try:
+        if docs is None or docs.num_rows > 0:
+            import ray
+
+            started_here, address = ensure_ray(config)
+            try:
+                cpus = _check_resources(config, started_here)
+                resources = ray.cluster_resources()
+                run["gpu"]["cluster"] = _cluster_gpus()
+                ray_info = {"address": address, "version": ray.__version__,
+                            "cluster_cpus": resources.get("CPU"), "cluster_gpus": resources.get("GPU", 0.0),
+                            "cpus_per_actor": cpus, "gpus_per_actor": config.gpus_per_actor,
+                            "actors": [config.min_actors, config.max_actors]}
+                done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
+                ds = build_dataset(config, docs, done, run_id, cpus)
+                ds.write_datasink(sink.AtomicParquetDatasink(out.data, run_id, config.rows_per_file),
+                                  ray_remote_args={"num_cpus": 0})
+            finally:
+                if started_here:
+                    ray.shutdown()
+    except JobConfigError as exc:
+        _finish_manifest_quickly(out, manifest, run, exc, "failed")
+        raise
+    except BaseException as exc:  # noqa: BLE001 - recorded in the manifest, then re-raised
+        error = exc
+        if not isinstance(exc, Exception):  # KeyboardInterrupt / SystemExit: record, then propagate
+            _finish_manifest_quickly(out, manifest, run, exc, "interrupted")
+            raise
+
+    removed = sink.dedupe(out.data, run_id)
+    final = sink.committed_state(out.data)
+    missing = None
+    if expected_keys is not None:
+        missing = sum(1 for d, q in expected_keys if q not in final.answered.get(d, ()))
+    this_run = sink.read_committed(out.data, run_id)
+    wall = time.perf_counter() - t0
+    summary = summarize(this_run, wall, str(out.data), config.compression.query_aware, rows_skipped=committed.rows)
+    devices = sorted({d for d in this_run.column("device").to_pylist() if d})
+    run.update({
+        "status": "failed" if error is not None else "completed", "ended_at": _now(), "wall_s": round(wall, 3),
+        "ray": ray_info, "error": None if error is None else f"{type(error).__name__}: {error}"[:4000],
+    })
+    run["gpu"]["actor_devices"] = devices
+    run["rows"].update({"written": this_run.num_rows, "ok": summary.rows_ok, "failed": summary.rows_failed,
+                        "duplicates_removed": removed, "missing": missing, "committed_total": final.rows})
+    run["summary"] = summary.as_dict()
+    manifest["updated_at"] = _now()
+    manifest["totals"] = {"rows": final.rows, "docs": len(final.answered),
+                          "rows_with_error": final.rows - sum(len(v) for v in final.succeeded.values())}
+    _write_json(out.manifest_path, manifest)
+    if error is not None:
+        detail = str(error).strip().splitlines()
+        raise JobFailed(
+            f"run {run_id} failed after committing {this_run.num_rows} rows ({type(error).__name__}: "
+            f"{' '.join(detail[:3])[:600]}); details in {out.manifest_path}; rerun the same command to resume"
+        ) from error
+    if echo:
+        print(format_summary(summary, f"{config.job} run {run_id}"), flush=True)
+        if missing:
+            print(f"WARNING: {missing} expected rows are missing from {out.data}", flush=True)
+    return RunResult(
+        run_id=run_id, output_dir=out.path, data_dir=out.data, manifest_path=out.manifest_path,
+        docs_input=docs_input, docs_skipped=docs_skipped or 0, docs_scheduled=docs_scheduled,
+        rows_written=this_run.num_rows, duplicates_removed=removed, missing_rows=missing, summary=summary,
+        total_rows=final.rows, wall_s=wall, extra={"ray": ray_info, "normalise": mode},
+    )

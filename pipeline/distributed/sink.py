@@ -1,0 +1,243 @@
+"""Committed output files: an atomic Parquet datasink for Ray Data and the resume bookkeeping.
+
+Layout of ``OUT/data/``:
+
+* ``part-<run_id>-<digest>.parquet``: committed files. Each is written completely under a hidden
+  temporary name (``.tmp-...``) in the same directory, flushed to disk and then renamed, so a file
+  with a committed name is always whole. ``<digest>`` hashes the (doc_id, question_id) keys the file
+  holds, so a write task that Ray retries after it already committed replaces its own file instead
+  of adding a second copy.
+* ``.tmp-*``: a write in progress, or debris of a write killed part-way. Readers ignore names
+  starting with ``.`` or ``_`` (pyarrow datasets, ``pipeline.data.read_table``, Ray's
+  ``read_parquet``); the next run deletes them while it holds the output lock.
+
+A Predictor returns all rows of a document in one table, and a write task writes whole blocks, so
+every committed file holds complete documents. :func:`dedupe` is the safety net for anything else
+(a write that lands after its driver died and a rerun already redid the document, a retried write):
+it keeps one row per (doc_id, question_id) -- the earliest committed one, preferring rows without
+``error`` -- and rewrites the other files without the duplicates, again atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
+
+try:  # Ray is needed only for the datasink; the bookkeeping below is plain pyarrow.
+    from ray.data import Datasink
+    from ray.data.block import BlockAccessor
+except ImportError:  # pragma: no cover - ray is a dependency of the package
+    Datasink = object  # type: ignore[assignment,misc]
+    BlockAccessor = None  # type: ignore[assignment]
+
+TMP_PREFIX = ".tmp-"
+PART_PREFIX = "part-"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """``table`` with exactly the output columns, types and schema metadata (version)."""
+    return table.select(list(OUTPUT_COLUMNS)).cast(OUTPUT_SCHEMA)
+
+
+def key_digest(table: pa.Table) -> str:
+    keys = sorted(zip(table.column("doc_id").to_pylist(), table.column("question_id").to_pylist()))
+    h = hashlib.sha1()
+    for doc_id, qid in keys:
+        h.update(doc_id.encode("utf-8", "surrogatepass") + b"\0" + qid.encode("utf-8", "surrogatepass") + b"\n")
+    return h.hexdigest()[:20]
+
+
+def commit_table(table: pa.Table, data_dir: Path, run_id: str) -> Path:
+    """Write ``table`` as one committed file (temporary name, fsync, rename); returns its path."""
+    table = conform(table)
+    final = data_dir / f"{PART_PREFIX}{run_id}-{key_digest(table)}.parquet"
+    tmp = data_dir / f"{TMP_PREFIX}{final.stem}-{uuid.uuid4().hex[:8]}.parquet"
+    try:
+        with open(tmp, "wb") as handle:
+            pq.write_table(table, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(data_dir)
+    return final
+
+
+class AtomicParquetDatasink(Datasink):
+    """Ray Data sink writing committed files (see the module docstring).
+
+    ``supports_distributed_writes`` is False: write tasks run on the driver's node, so ``OUT`` may
+    be a local directory of the machine the driver runs on (with ``ray job submit``, the head) and
+    the files are where the next run looks for them. Results are small (text and numbers), so
+    moving them to one node costs little next to generation.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, run_id: str, rows_per_file: int = 64) -> None:
+        self.data_dir = str(data_dir)
+        self.run_id = run_id
+        self.rows_per_file = rows_per_file
+
+    def on_write_start(self, schema=None) -> None:
+        Path(self.data_dir).mkdir(parents=True, exist_ok=True)
+
+    def write(self, blocks: Iterable, ctx) -> list[dict]:
+        tables = [BlockAccessor.for_block(block).to_arrow() for block in blocks]
+        tables = [t for t in tables if t.num_rows]
+        if not tables:
+            return []
+        table = pa.concat_tables([conform(t) for t in tables])
+        path = commit_table(table, Path(self.data_dir), self.run_id)
+        return [{"file": path.name, "rows": table.num_rows}]
+
+    @property
+    def supports_distributed_writes(self) -> bool:
+        return False
+
+    @property
+    def min_rows_per_write(self) -> int:
+        return self.rows_per_file
+
+    def get_name(self) -> str:
+        return "WriteParquet"
+
+
+# ---------------------------------------------------------------------- bookkeeping (driver)
+def committed_files(data_dir: Path) -> list[Path]:
+    """Committed result files, oldest first (modification time, then name)."""
+    if not data_dir.is_dir():
+        return []
+    files = [p for p in data_dir.glob(f"{PART_PREFIX}*.parquet") if p.is_file()]
+    return sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
+def remove_debris(data_dir: Path) -> int:
+    """Delete temporary files left by killed writes (call only while holding the output lock)."""
+    if not data_dir.is_dir():
+        return 0
+    debris = [p for p in data_dir.glob(f"{TMP_PREFIX}*") if p.is_file()]
+    for path in debris:
+        path.unlink(missing_ok=True)
+    return len(debris)
+
+
+KEY_COLUMNS = ["doc_id", "question_id", "error"]
+
+
+def read_keys(data_dir: Path) -> pa.Table:
+    """(doc_id, question_id, error, file index) of every committed row."""
+    parts = []
+    for index, path in enumerate(committed_files(data_dir)):
+        table = pq.read_table(path, columns=KEY_COLUMNS)
+        parts.append(table.append_column("file", pa.array([index] * table.num_rows, pa.int32())))
+    if not parts:
+        return pa.table({"doc_id": pa.array([], pa.string()), "question_id": pa.array([], pa.string()),
+                         "error": pa.array([], pa.string()), "file": pa.array([], pa.int32())})
+    return pa.concat_tables(parts)
+
+
+@dataclass
+class Committed:
+    """What the output directory already holds, per document."""
+
+    answered: dict[str, set[str]]  # doc_id -> question ids with a row (any row, error or not)
+    succeeded: dict[str, set[str]]  # doc_id -> question ids with a row without error
+    rows: int
+
+    def done(self, doc_id: str, question_ids: list[str], retry_errors: bool = False) -> bool:
+        have = (self.succeeded if retry_errors else self.answered).get(doc_id)
+        return have is not None and set(question_ids) <= have
+
+
+def committed_state(data_dir: Path) -> Committed:
+    keys = read_keys(data_dir)
+    answered: dict[str, set[str]] = defaultdict(set)
+    succeeded: dict[str, set[str]] = defaultdict(set)
+    for doc_id, qid, error in zip(*(keys.column(c).to_pylist() for c in KEY_COLUMNS)):
+        answered[doc_id].add(qid)
+        if error is None:
+            succeeded[doc_id].add(qid)
+    return Committed(dict(answered), dict(succeeded), keys.num_rows)
+
+
+def dedupe(data_dir: Path, run_id: str) -> int:
+    """Keep one row per (doc_id, question_id); returns the number of rows removed.
+
+    The kept row is the first committed one without ``error``, else the first committed one. Files
+    losing rows are rewritten under a new committed name (atomic), then the old file is deleted;
+    a crash in between leaves duplicates that the next run removes, never a loss.
+    """
+    files = committed_files(data_dir)
+    keys = read_keys(data_dir)
+    if keys.num_rows == 0:
+        return 0
+    best: dict[tuple[str, str], tuple[bool, int, int]] = {}
+    rows = zip(keys.column("doc_id").to_pylist(), keys.column("question_id").to_pylist(),
+               keys.column("error").to_pylist(), keys.column("file").to_pylist())
+    position = defaultdict(int)
+    drop: dict[int, set[int]] = defaultdict(set)  # file index -> row positions to drop
+    for doc_id, qid, error, file in rows:
+        pos = position[file]
+        position[file] += 1
+        rank = (error is not None, file, pos)
+        key = (doc_id, qid)
+        if key not in best:
+            best[key] = rank
+        elif rank < best[key]:
+            drop[best[key][1]].add(best[key][2])
+            best[key] = rank
+        else:
+            drop[file].add(pos)
+    removed = 0
+    for file, positions in drop.items():
+        path = files[file]
+        table = pq.read_table(path)
+        mask = pa.array([i not in positions for i in range(table.num_rows)])
+        kept = table.filter(mask)
+        removed += table.num_rows - kept.num_rows
+        if kept.num_rows:
+            new = commit_table(kept, data_dir, run_id)
+            if new != path:
+                path.unlink(missing_ok=True)
+        else:
+            path.unlink(missing_ok=True)
+    if removed:
+        _fsync_dir(data_dir)
+    return removed
+
+
+def read_committed(data_dir: Path, run_id: str | None = None) -> pa.Table:
+    """All committed rows (optionally only those of one run) as an output-schema table."""
+    import pyarrow.dataset as pads
+
+    files = [str(p) for p in committed_files(data_dir)]
+    if not files:
+        return OUTPUT_SCHEMA.empty_table()
+    dataset = pads.dataset(files, schema=OUTPUT_SCHEMA, format="parquet")
+    table = dataset.to_table(filter=None if run_id is None else pc.field("run_id") == run_id)
+    return conform(table)

@@ -1,0 +1,117 @@
+"""End-of-run summary of output rows: counts, latency, cache savings, throughput.
+
+Works on any table with the output schema (one run's rows, or a whole output directory read back).
+Cache figures count each compressed cache once: a document's questions share one cache, except in
+query-aware mode where every question is prefilled (and compressed) with its own copy of the context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+
+
+@dataclass
+class RunSummary:
+    rows: int
+    rows_ok: int
+    rows_failed: int
+    docs: int
+    ttft_mean_s: float | None
+    ttft_p95_s: float | None
+    kept_fraction_mean: float | None
+    kv_bytes_full: int
+    kv_bytes_kept: int
+    prompt_tokens: int
+    generated_tokens: int
+    wall_s: float
+    output: str
+    rows_skipped: int = 0
+
+    @property
+    def kv_bytes_saved(self) -> int:
+        return self.kv_bytes_full - self.kv_bytes_kept
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return (self.prompt_tokens + self.generated_tokens) / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def generated_tokens_per_s(self) -> float | None:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "kv_bytes_saved": self.kv_bytes_saved, "tokens_per_s": self.tokens_per_s,
+                "generated_tokens_per_s": self.generated_tokens_per_s}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default method) of a non-empty list."""
+    if not values:
+        return None
+    values = sorted(values)
+    pos = (len(values) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def summarize(table: pa.Table, wall_s: float, output: str = "", query_aware: bool = False,
+              rows_skipped: int = 0) -> RunSummary:
+    """Summary of the rows in ``table`` produced in ``wall_s`` seconds."""
+    rows = table.select([c for c in (
+        "doc_id", "question_id", "error", "ttft_s", "context_tokens", "question_tokens", "generated_tokens",
+        "kv_bytes_full", "kv_bytes_kept") if c in table.column_names]).to_pylist()
+    ok = [r for r in rows if r.get("error") is None]
+    caches: dict[tuple, dict] = {}
+    for r in ok:
+        key = (r["doc_id"], r["question_id"]) if query_aware else (r["doc_id"],)
+        caches.setdefault(key, r)
+    fractions = [c["kv_bytes_kept"] / c["kv_bytes_full"] for c in caches.values() if c.get("kv_bytes_full")]
+    ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+    return RunSummary(
+        rows=len(rows), rows_ok=len(ok), rows_failed=len(rows) - len(ok),
+        docs=len({r["doc_id"] for r in rows}),
+        ttft_mean_s=sum(ttft) / len(ttft) if ttft else None,
+        ttft_p95_s=_percentile(ttft, 95),
+        kept_fraction_mean=sum(fractions) / len(fractions) if fractions else None,
+        kv_bytes_full=sum(c.get("kv_bytes_full") or 0 for c in caches.values()),
+        kv_bytes_kept=sum(c.get("kv_bytes_kept") or 0 for c in caches.values()),
+        prompt_tokens=sum(c.get("context_tokens") or 0 for c in caches.values())
+        + sum(r.get("question_tokens") or 0 for r in ok),
+        generated_tokens=sum(r.get("generated_tokens") or 0 for r in ok),
+        wall_s=wall_s, output=output, rows_skipped=rows_skipped,
+    )
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{n} B"
+
+
+def _num(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{unit}"
+
+
+def format_summary(s: RunSummary, title: str = "run summary") -> str:
+    """A short two-column text table."""
+    saved = f"{_bytes(s.kv_bytes_saved)} of {_bytes(s.kv_bytes_full)}" if s.kv_bytes_full else "-"
+    lines = [
+        ("rows ok / failed", f"{s.rows_ok} / {s.rows_failed}  ({s.docs} documents)"),
+        ("rows from earlier runs (kept)", str(s.rows_skipped)),
+        ("TTFT mean / p95", f"{_num(s.ttft_mean_s, '.3f', ' s')} / {_num(s.ttft_p95_s, '.3f', ' s')}"),
+        ("mean kept KV fraction", _num(s.kept_fraction_mean, '.1%')),
+        ("KV bytes saved", saved),
+        ("tokens/s (prompt+generated)", _num(s.tokens_per_s, ',.0f')),
+        ("generated tokens/s", _num(s.generated_tokens_per_s, ',.1f')),
+        ("wall time", f"{s.wall_s:.1f} s"),
+        ("output", s.output),
+    ]
+    width = max(len(k) for k, _ in lines)
+    rule = "-" * (width + 2 + max(len(v) for _, v in lines))
+    return "\n".join([title, rule, *(f"{k:<{width}}  {v}" for k, v in lines), rule])

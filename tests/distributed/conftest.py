@@ -1,0 +1,58 @@
+"""Fixtures for the distributed tests: one local Ray per module, tiny in-code models."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from pipeline.data import sample_qa_documents
+from pipeline.job_config import JobConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_FACTORY = "tests.distributed.helpers:tiny_engine"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """``ray.init(address="local")`` with 2 CPUs and one logical GPU, its own temp dir, no dashboard.
+
+    The logical GPU lets ``num_gpus=1`` actors schedule on a CPU machine (the GPU path); workers
+    get the repository on PYTHONPATH so they can import the test-only engine factory.
+    """
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, _temp_dir=temp_dir,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def tiny_config(output, **overrides) -> JobConfig:
+    """A JobConfig running the tiny Llama with CriticalKV at 50 % on one 1-CPU actor."""
+    settings = dict(
+        output=str(output), model={"name": "tiny-llama"}, engine_factory=TINY_FACTORY,
+        compression={"method": "criticalkv-snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
+        generation={"max_new_tokens": 3}, cpus_per_actor=1, rows_per_file=2, sample_words=60,
+    )
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(settings.get(key), dict):
+            settings[key] = {**settings[key], **value}
+        else:
+            settings[key] = value
+    return JobConfig(**settings)
+
+
+def small_docs(n: int = 6, words: int = 60, seed: int = 1) -> list[dict]:
+    """Sample QA documents with short contexts and generation limits left to the config."""
+    docs = sample_qa_documents(n, words, seed)
+    for doc in docs:
+        doc["max_new_tokens"] = None
+    return docs

@@ -1,0 +1,130 @@
+"""Bad configuration fails before any actor starts, naming the field; CLI layering (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+
+from pipeline.distributed import JobConfigError, run_job
+from pipeline.distributed.cli import config_from_args
+from pipeline.job_config import JobConfig
+from tests.distributed.conftest import ROOT, tiny_config
+
+
+def _field_error(exc: ValidationError) -> str:
+    return ".".join(str(p) for p in exc.errors()[0]["loc"])
+
+
+def test_unknown_method_names_the_field(tmp_path):
+    with pytest.raises(ValidationError) as info:
+        JobConfig(output=tmp_path / "o", compression={"method": "fastkv"})
+    assert _field_error(info.value) == "compression.method" and "unknown method" in str(info.value)
+
+
+def test_missing_input_path_names_the_field(tmp_path):
+    with pytest.raises(ValidationError) as info:
+        JobConfig(output=tmp_path / "o", input=str(tmp_path / "missing.parquet"))
+    assert _field_error(info.value) == "input" and "no such file" in str(info.value)
+
+
+def test_output_that_is_a_file_names_the_field(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValidationError) as info:
+        JobConfig(output=tmp_path / "file")
+    assert _field_error(info.value) == "output" and "is a file" in str(info.value)
+    with pytest.raises(ValidationError, match="min_actors"):
+        JobConfig(output=tmp_path / "o", min_actors=3, max_actors=2)
+
+
+def test_unknown_columns_fail_before_ray(tmp_path):
+    pq.write_table(pa.table({"id": ["a"], "text": ["t"], "q": ["?"]}), tmp_path / "in.parquet")
+    config = tiny_config(tmp_path / "out", input=str(tmp_path / "in.parquet"), columns={"context": "body"})
+    with pytest.raises(JobConfigError) as info:
+        run_job(config, echo=False)
+    assert info.value.field == "columns" and "available columns: id, text, q" in str(info.value)
+    assert not (tmp_path / "out").exists()  # nothing created, no actor started
+    ray_mode = config.model_copy(update={"normalise": "ray"})
+    with pytest.raises(JobConfigError, match="columns: .*context='body'"):
+        run_job(ray_mode, echo=False)
+
+
+def test_foreign_non_empty_output_directory_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(JobConfigError, match="output: .*not empty"):
+        run_job(tiny_config(tmp_path / "out"), echo=False)
+
+
+def test_yaml_then_flags_layering(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("compression: {method: snapkv, cache_size: 0.3, window: 8}\nmodel: {name: tiny-llama}\n"
+                    "max_actors: 3\ncolumns: {context: text}\n")
+    config = config_from_args("longdoc_qa", ["--config", str(path), "--cache-size", "0.2", "--num-actors", "2",
+                                             "--output", str(tmp_path / "o"), "--question-column", "q"])
+    assert config.compression.method == "snapkv" and config.compression.cache_size == 0.2
+    assert config.compression.window == 8 and config.model.name == "tiny-llama"
+    assert (config.min_actors, config.max_actors) == (2, 2)
+    assert config.columns.model_dump(exclude_unset=True) == {"context": "text", "question": "q"}
+
+
+def test_job_defaults_and_fresh_output_dir():
+    qa = config_from_args("longdoc_qa", [])
+    assert qa.job == "longdoc_qa" and qa.input is None and qa.model.name == "smollm2"
+    assert qa.compression.method == "criticalkv-snapkv" and str(qa.output).startswith("outputs/longdoc_qa-")
+    summary = config_from_args("summarize", ["--max-new-tokens", "50"])
+    assert summary.instruction and summary.generation.max_new_tokens == 50
+    assert str(summary.output).startswith("outputs/summarize-")
+
+
+def test_cli_reports_bad_values_with_exit_code_2(tmp_path):
+    cases = [
+        (["--method", "fastkv"], "invalid compression.method"),
+        (["--input", str(tmp_path / "nope.jsonl")], "invalid input"),
+        (["--cache-size", "1.5"], "invalid compression.cache_size"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as info:
+            config_from_args("longdoc_qa", argv + ["--output", str(tmp_path / "o")])
+        assert info.value.code == 2
+
+
+def test_cli_subprocess_unknown_column_names_the_field(tmp_path):
+    pq.write_table(pa.table({"doc_id": ["a"], "context": ["t"]}), tmp_path / "in.parquet")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "longdoc_qa.py"), "--input", str(tmp_path / "in.parquet"),
+         "--output", str(tmp_path / "out"), "--question-column", "prompt"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "invalid columns" in proc.stderr and "question='prompt'" in proc.stderr
+    assert "Ray" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_summarize_instruction_replaces_questions(tmp_path):
+    from pipeline.distributed.driver import load_documents
+
+    rows = [{"doc_id": "a", "text": "Report one.", "summary": "ref"}, {"doc_id": "b", "text": "Report two."}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    config = JobConfig(job="summarize", output=tmp_path / "o", input=str(tmp_path / "in.jsonl"),
+                       instruction="Summarise.", columns={"context": "text", "reference": "summary"})
+    docs = load_documents(config).to_pylist()
+    assert [(d["doc_id"], d["questions"], d["question_ids"]) for d in docs] == [
+        ("a", ["Summarise."], ["0"]), ("b", ["Summarise."], ["0"])]
+    assert docs[0]["references"] == [["ref"]] and docs[0]["input_error"] is None
+
+
+def test_missing_model_file_fails_before_ray(tmp_path, monkeypatch):
+    from pipeline.distributed.driver import check_model
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = JobConfig(output=tmp_path / "o", model={"name": str(tmp_path / "missing.gguf")})
+    with pytest.raises(JobConfigError) as info:
+        check_model(config)
+    assert info.value.field == "model.name" and "GGUF file not found" in str(info.value)
+    check_model(config.model_copy(update={"ray_address": "ray://cluster:10001"}))  # may exist on the workers only

@@ -1,0 +1,206 @@
+"""End to end on a local Ray (one Ray start for the module) with a tiny in-code model.
+
+Exactly-once output with the schema's types, the GPU scheduling path on CPU, resume after a
+failure part-way (and after a driver that died mid-write), bad rows mixed with good ones, and
+normalisation inside Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data import (
+    OUTPUT_SCHEMA,
+    check_output_table,
+    rows_to_table,
+    write_documents,
+)
+from pipeline.distributed import JobConfigError, JobFailed, run_job, sink
+from pipeline.distributed.sink import committed_files
+from pipeline.job_config import FaultConfig
+from tests.distributed.conftest import small_docs, tiny_config
+
+
+def _keys(docs):
+    return sorted((d["doc_id"], q) for d in docs for q in d["question_ids"])
+
+
+def _read(data_dir) -> pa.Table:
+    table = pq.read_table(data_dir)  # pyarrow's own reader: ignores .tmp-* files by itself
+    check_output_table(table)
+    return table
+
+
+def _assert_exactly_once(table: pa.Table, docs):
+    got = Counter(zip(table.column("doc_id").to_pylist(), table.column("question_id").to_pylist()))
+    assert sorted(got) == _keys(docs), "every doc_id x question must appear"
+    assert max(got.values()) == 1, f"duplicates: {[k for k, n in got.items() if n > 1]}"
+
+
+@pytest.fixture(scope="module")
+def first_run(local_ray, tmp_path_factory):
+    """One complete run over a one-question-per-row Parquet file (normalised on the driver)."""
+    tmp = tmp_path_factory.mktemp("first")
+    docs = small_docs(6)
+    path = write_documents(docs, tmp / "in.parquet", one_question_per_row=True)
+    config = tiny_config(tmp / "out", input=str(path))
+    return docs, config, run_job(config, echo=False)
+
+
+def test_every_question_exactly_once_with_schema_types(first_run):
+    docs, config, result = first_run
+    table = _read(result.data_dir)
+    _assert_exactly_once(table, docs)
+    assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=False)
+    rows = table.to_pylist()
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows if r["error"]]
+    assert {r["run_id"] for r in rows} == {result.run_id}
+    assert {(r["job"], r["model"], r["method"], r["cache_size"], r["budget"]) for r in rows} == {
+        ("longdoc_qa", "tiny-llama", "criticalkv-snapkv", 0.5, None)}
+    by_key = {(d["doc_id"], q): d["references"][i] for d in docs for i, q in enumerate(d["question_ids"])}
+    for r in rows:
+        assert r["reference"] == by_key[(r["doc_id"], r["question_id"])]
+        assert r["score"] is None and r["prediction"] is not None and r["context_tokens"] > 0
+        assert 0 < r["kv_bytes_kept"] < r["kv_bytes_full"] and r["ttft_s"] > 0 and r["device"].startswith("cpu")
+        assert 1 <= r["generated_tokens"] <= 3
+    assert result.missing_rows == 0 and result.duplicates_removed == 0
+    assert result.summary.rows_ok == len(rows) and result.summary.kept_fraction_mean < 0.75
+    assert len(committed_files(result.data_dir)) >= 2  # committed file by file, not at the end
+
+
+def test_manifest_records_the_run(first_run):
+    _, config, result = first_run
+    manifest = json.loads(result.manifest_path.read_text())
+    assert manifest["schema_version"] == 1 and manifest["identity"] == config.identity()
+    run = manifest["runs"][-1]
+    assert run["run_id"] == result.run_id and run["status"] == "completed"
+    assert run["started_at"] and run["ended_at"] and run["host"]["hostname"]
+    assert run["versions"]["ray"] and run["versions"]["torch"] and run["gpu"]["actor_devices"] == ["cpu"]
+    assert run["rows"]["written"] == result.rows_written and run["rows"]["missing"] == 0
+    assert run["config"]["compression"]["method"] == "criticalkv-snapkv"
+
+
+def test_rerun_of_a_finished_job_adds_nothing(first_run):
+    docs, config, result = first_run
+    again = run_job(config, echo=False)
+    assert again.docs_skipped == len(docs) and again.docs_scheduled == 0 and again.rows_written == 0
+    assert again.extra["ray"] == {}  # nothing to do: Ray is not even asked
+    _assert_exactly_once(_read(result.data_dir), docs)
+
+
+def test_rerun_with_another_method_is_refused(first_run):
+    _, config, _ = first_run
+    other = config.model_copy(update={"compression": config.compression.model_copy(update={"method": "snapkv"})})
+    with pytest.raises(JobConfigError, match=r"output: .*different configuration.*compression.method"):
+        run_job(other, echo=False)
+
+
+def test_gpu_scheduling_path_on_cpu(local_ray, tmp_path):
+    """``num_gpus=1`` actors schedule on the logical GPU; the engine falls back to the CPU."""
+    config = tiny_config(tmp_path / "out", gpus_per_actor=1, sample_docs=2)
+    result = run_job(config, echo=False)
+    assert result.extra["ray"]["gpus_per_actor"] == 1 and result.extra["ray"]["cpus_per_actor"] == 1
+    table = _read(result.data_dir)
+    assert table.num_rows == result.rows_written > 0 and table.column("error").null_count == table.num_rows
+
+
+def test_resume_after_a_failure_part_way(local_ray, tmp_path):
+    docs = small_docs(6, seed=3)
+    path = write_documents(docs, tmp_path / "in.jsonl")
+    config = tiny_config(tmp_path / "out", input=str(path), rows_per_file=1,
+                         faults={"raise_after_batches": 2, "raise_delay_s": 2.0})
+    with pytest.raises(JobFailed, match="rerun the same command"):
+        run_job(config, echo=False)
+    data = tmp_path / "out" / "data"
+    partial = _read(data) if committed_files(data) else OUTPUT_SCHEMA.empty_table()
+    done_docs = set(partial.column("doc_id").to_pylist())
+    assert 1 <= len(done_docs) <= 2 < len(docs)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["runs"][-1]["status"] == "failed" and "raise_after_batches" in manifest["runs"][-1]["error"]
+
+    # the driver also "died mid-write": a half-written temporary file and a second copy of a committed file
+    (data / ".tmp-part-dead-0000.parquet").write_bytes(b"PAR1 half a file")
+    files = committed_files(data)
+    if files:
+        shutil.copy(files[0], data / "part-dead-copy.parquet")
+
+    resumed = run_job(config.model_copy(update={"faults": FaultConfig()}), echo=False)
+    assert resumed.docs_skipped == len(done_docs) and resumed.docs_scheduled == len(docs) - len(done_docs)
+    assert resumed.missing_rows == 0
+    assert resumed.duplicates_removed == (pq.read_metadata(files[0]).num_rows if files else 0)
+    _assert_exactly_once(_read(data), docs)
+    assert not list(data.glob(".tmp-*"))
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert [r["status"] for r in manifest["runs"]] == ["failed", "completed"]
+    assert manifest["runs"][-1]["temporary_files_removed"] == 1
+
+
+def test_bad_rows_mixed_with_good_rows(local_ray, tmp_path):
+    good = small_docs(4, seed=5)
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps(good[0]), json.dumps(good[1])]
+    lines += [
+        json.dumps({"doc_id": "empty", "context": "", "questions": ["q?"]}),
+        json.dumps({"doc_id": "blank", "context": "   \n ", "questions": ["q?"]}),
+        json.dumps({"doc_id": "null", "context": None, "questions": ["q?"]}),
+        json.dumps({"doc_id": "number", "context": 42, "questions": ["q?"]}),
+        json.dumps({"doc_id": "noquestion", "context": "some text", "questions": [None]}),
+        '{"doc_id": "broken", "context": ',
+        json.dumps(good[2]), json.dumps(good[3]),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    boom = good[3]["doc_id"]  # an unexpected exception inside the actor for this document
+    config = tiny_config(tmp_path / "out", input=str(path), faults={"error_doc_ids": [boom]},
+                         generation={"batch_size": 2})
+    result = run_job(config, echo=False)
+    rows = {(r["doc_id"], r["question_id"]): r for r in _read(result.data_dir).to_pylist()}
+    assert result.missing_rows == 0 and len(rows) == result.rows_written
+    for doc in good[:3]:
+        for q in doc["question_ids"]:
+            row = rows.pop((doc["doc_id"], q))
+            assert row["error"] is None and row["prediction"] is not None
+    for q in good[3]["question_ids"]:
+        assert "InjectedFault" in rows.pop((boom, q))["error"]
+    errors = {doc_id: r["error"] for (doc_id, _), r in rows.items()}
+    assert "context is empty" in errors.pop("empty")
+    assert "only whitespace" in errors.pop("blank")
+    assert "null or missing" in errors.pop("null")
+    assert "expected a string" in errors.pop("number")
+    assert "question 0 is null" in errors.pop("noquestion")
+    assert len(errors) == 1 and "invalid JSON" in next(iter(errors.values()))  # the broken line
+
+
+def _normalised_in_ray_with_one_document_done(tmp_path, one_question_per_row: bool):
+    docs = small_docs(4, seed=7)
+    path = write_documents(docs, tmp_path / "in.parquet", one_question_per_row=one_question_per_row)
+    config = tiny_config(tmp_path / "out", input=str(path), normalise="ray")
+    # an earlier run (same configuration) already committed the first document
+    done = docs[0]
+    (tmp_path / "out" / "data").mkdir(parents=True)
+    sink.commit_table(rows_to_table([{"doc_id": done["doc_id"], "question_id": q, "run_id": "earlier",
+                                      "prediction": "x"} for q in done["question_ids"]]), tmp_path / "out" / "data", "earlier")
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(
+        {"schema_version": 1, "identity": config.identity(), "runs": []}))
+    result = run_job(config, echo=False)
+    assert result.extra["normalise"] == "ray" and result.missing_rows is None
+    table = _read(result.data_dir)
+    _assert_exactly_once(table, docs)
+    runs = {r["doc_id"]: r["run_id"] for r in table.to_pylist()}
+    assert runs.pop(done["doc_id"]) == "earlier" and set(runs.values()) == {result.run_id}
+
+
+def test_normalised_inside_ray_skips_done_documents(local_ray, tmp_path):
+    """``normalise="ray"``, one row per document: read_parquet + map_batches(normalise_batch)."""
+    _normalised_in_ray_with_one_document_done(tmp_path, one_question_per_row=False)
+
+
+@pytest.mark.slow
+def test_question_rows_grouped_inside_ray_skip_done_documents(local_ray, tmp_path):
+    """``normalise="ray"``, one question per row: groupby(doc_id).map_groups(normalise_batch) (a shuffle)."""
+    _normalised_in_ray_with_one_document_done(tmp_path, one_question_per_row=True)

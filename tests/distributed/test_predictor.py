@@ -1,0 +1,98 @@
+"""The actor class called directly (no Ray): one row per question, errors as rows, never raises."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from pipeline.data import DOCUMENT_SCHEMA, OUTPUT_SCHEMA, normalise_batch
+from pipeline.distributed.predictor import InjectedFault, Predictor, resolve_factory
+from tests.distributed.conftest import TINY_FACTORY, small_docs
+
+ROW_FIELDS = {"run_id": "r1", "job": "longdoc_qa", "model": "tiny-llama", "method": "snapkv",
+              "cache_size": 0.5, "budget": None}
+
+
+def _predictor(faults=None, **generation):
+    return Predictor(
+        model={"name": "tiny-llama"}, compression={"method": "snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
+        generation={"max_new_tokens": 2, **generation}, row_fields=ROW_FIELDS, engine_factory=TINY_FACTORY,
+        faults=faults,
+    )
+
+
+@pytest.fixture(scope="module")
+def predictor():
+    return _predictor(batch_size=2)
+
+
+def _batch(docs) -> pa.Table:
+    return pa.Table.from_pylist(docs, schema=DOCUMENT_SCHEMA)
+
+
+def test_one_row_per_question_with_identity_columns(predictor):
+    docs = small_docs(3)
+    out = predictor(_batch(docs))
+    assert out.schema.equals(OUTPUT_SCHEMA, check_metadata=True)
+    keys = list(zip(out.column("doc_id").to_pylist(), out.column("question_id").to_pylist()))
+    assert keys == [(d["doc_id"], q) for d in docs for q in d["question_ids"]]
+    for row in out.to_pylist():
+        assert row["error"] is None and row["run_id"] == "r1" and row["method"] == "snapkv"
+        assert row["cache_size"] == 0.5 and row["budget"] is None and row["score"] is None
+        assert row["reference"] and row["kv_bytes_kept"] < row["kv_bytes_full"]
+
+
+def test_input_errors_become_error_rows_without_generation(predictor):
+    raw = pa.Table.from_pylist([
+        {"doc_id": "ok", "context": "A short text about a harbour.", "question": "What?"},
+        {"doc_id": "bad", "context": "", "question": "What?"},
+    ])
+    docs = normalise_batch(raw).to_pylist() + [
+        {"doc_id": "mismatch", "context": "text", "questions": ["a", "b"], "question_ids": ["0", "1"],
+         "answer_prefix": "", "references": None, "max_new_tokens": None, "input_error": "line 3: broken"}]
+    out = predictor(_batch(docs)).to_pylist()
+    assert [(r["doc_id"], r["question_id"]) for r in out] == [("ok", "0"), ("bad", "0"), ("mismatch", "0"), ("mismatch", "1")]
+    assert out[0]["error"] is None
+    assert "context is empty" in out[1]["error"] and out[1]["prediction"] is None
+    assert out[2]["error"] == out[3]["error"] == "line 3: broken"
+
+
+def test_an_exception_in_one_document_is_isolated():
+    predictor = _predictor(faults={"error_doc_ids": ["qa-s1-0001-multikey"]}, batch_size=4)
+    docs = small_docs(3)
+    out = predictor(_batch(docs)).to_pylist()
+    errors = {r["doc_id"]: r["error"] for r in out}
+    assert "InjectedFault" in errors.pop("qa-s1-0001-multikey")
+    assert all(e is None for e in errors.values()) and len(out) == 4
+
+
+def test_engine_that_returns_nothing_or_raises_still_yields_one_row_per_question(predictor):
+    class Broken:
+        def generate(self, requests):
+            if len(requests) > 1:
+                raise RuntimeError("batch exploded")
+            return []  # a buggy engine: no answers at all
+
+    docs = small_docs(2)
+    original = predictor.engine
+    predictor.engine = Broken()
+    try:
+        out = predictor(_batch(docs)).to_pylist()
+    finally:
+        predictor.engine = original
+    assert [(r["doc_id"], r["question_id"]) for r in out] == [(d["doc_id"], q) for d in docs for q in d["question_ids"]]
+    assert all(r["error"] for r in out)
+
+
+def test_raise_after_batches_switch():
+    predictor = _predictor(faults={"raise_after_batches": 1})
+    batch = _batch(small_docs(1))
+    assert predictor(batch).num_rows == 1
+    with pytest.raises(InjectedFault):
+        predictor(batch)
+
+
+def test_factory_resolution_errors_are_clear():
+    with pytest.raises(ValueError, match="cannot be imported"):
+        resolve_factory("tests.distributed.nope:factory")
+    assert callable(resolve_factory(None))

@@ -1,0 +1,82 @@
+"""Committed files, resume bookkeeping, de-duplication and the summary table (no Ray)."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data import rows_to_table
+from pipeline.distributed import sink
+from pipeline.summary import format_summary, summarize
+
+
+def _rows(*keys, error=None, run="r"):
+    return rows_to_table([{"doc_id": d, "question_id": q, "run_id": run, "error": error, "prediction": "x",
+                           "kv_bytes_full": 100, "kv_bytes_kept": 40, "context_tokens": 10, "question_tokens": 2,
+                           "generated_tokens": 3, "ttft_s": 0.1} for d, q in keys])
+
+
+def _bump_mtime(path, seconds):
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + int(seconds * 1e9)))
+
+
+def test_commit_is_atomic_and_idempotent(tmp_path):
+    table = _rows(("a", "0"), ("a", "1"))
+    first = sink.commit_table(table, tmp_path, "r1")
+    again = sink.commit_table(table, tmp_path, "r1")  # a retried write of the same rows
+    assert first == again and first.name.startswith("part-r1-") and sink.committed_files(tmp_path) == [first]
+    assert not list(tmp_path.glob(".tmp-*")) and pq.read_table(first).num_rows == 2
+    assert pq.read_schema(first).metadata[b"pipeline.schema_version"] == b"1"
+
+
+def test_committed_state_and_done(tmp_path):
+    sink.commit_table(_rows(("a", "0"), ("a", "1")), tmp_path, "r1")
+    sink.commit_table(_rows(("b", "0"), error="OOM"), tmp_path, "r1")
+    (tmp_path / ".tmp-part-x.parquet").write_bytes(b"half")
+    state = sink.committed_state(tmp_path)
+    assert state.rows == 3
+    assert state.done("a", ["0", "1"]) and not state.done("a", ["0", "1", "2"])
+    assert state.done("b", ["0"]) and not state.done("b", ["0"], retry_errors=True)
+    assert not state.done("c", ["0"])
+    assert sink.remove_debris(tmp_path) == 1 and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_dedupe_keeps_the_first_row_and_prefers_rows_without_error(tmp_path):
+    old = sink.commit_table(_rows(("a", "0"), ("b", "0"), error="OOM"), tmp_path, "r1")
+    new = sink.commit_table(_rows(("a", "0"), ("b", "0"), ("c", "0"), run="r2"), tmp_path, "r2")
+    dup = sink.commit_table(_rows(("c", "0"), run="r3"), tmp_path, "r3")
+    _bump_mtime(new, 1), _bump_mtime(dup, 2)
+    removed = sink.dedupe(tmp_path, "r4")
+    assert removed == 3  # a and b: the error rows go; c: the later copy goes
+    table = sink.read_committed(tmp_path)
+    rows = {(r["doc_id"], r["question_id"]): r for r in table.to_pylist()}
+    assert table.num_rows == 3 and set(rows) == {("a", "0"), ("b", "0"), ("c", "0")}
+    assert all(r["error"] is None and r["run_id"] == "r2" for r in rows.values())
+    assert not old.exists() and not dup.exists()
+    assert sink.dedupe(tmp_path, "r5") == 0
+
+
+def test_summary_counts_each_cache_once():
+    table = _rows(("a", "0"), ("a", "1"), ("b", "0"))
+    s = summarize(table, wall_s=2.0, output="OUT")
+    assert (s.rows, s.rows_ok, s.rows_failed, s.docs) == (3, 3, 0, 2)
+    assert s.kv_bytes_full == 200 and s.kv_bytes_saved == 120 and s.kept_fraction_mean == pytest.approx(0.4)
+    assert s.prompt_tokens == 2 * 10 + 3 * 2 and s.generated_tokens == 9
+    assert s.tokens_per_s == pytest.approx((26 + 9) / 2.0) and s.ttft_p95_s == pytest.approx(0.1)
+    aware = summarize(table, wall_s=2.0, query_aware=True)
+    assert aware.kv_bytes_full == 300
+    text = format_summary(s)
+    for label in ("rows ok / failed", "TTFT mean / p95", "mean kept KV fraction", "KV bytes saved",
+                  "tokens/s", "wall time", "output"):
+        assert label in text
+
+
+def test_summary_of_failed_and_empty_runs():
+    s = summarize(_rows(("a", "0"), error="boom"), wall_s=1.0)
+    assert (s.rows_ok, s.rows_failed) == (0, 1) and s.ttft_mean_s is None and s.kept_fraction_mean is None
+    assert "-" in format_summary(s)
+    empty = summarize(_rows(), wall_s=0.0)
+    assert empty.rows == 0 and empty.tokens_per_s is None
