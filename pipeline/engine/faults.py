@@ -1,6 +1,6 @@
-"""Fault injection for reliability tests (off unless ``CRITICALKV_FAULTS`` is set).
+"""Fault injection for reliability tests (off unless ``CRITICALKV_ENGINE_FAULTS`` is set).
 
-``CRITICALKV_FAULTS`` holds ``;``-separated directives, read once per engine:
+``CRITICALKV_ENGINE_FAULTS`` holds ``;``-separated directives, read once per engine:
 
 * ``oom=ID1,ID2``   - prefilling a batch that contains one of these doc_ids raises
   ``torch.OutOfMemoryError`` (the CUDA allocator's error type), as a real OOM would;
@@ -11,6 +11,8 @@
   not exist and creates it first, so the retried batch succeeds.
 
 Production runs never set the variable; the engine's behaviour is unchanged when it is absent.
+(The jobs' own switch, ``CRITICALKV_FAULTS`` in :mod:`pipeline.job_config`, acts at the Ray
+actor level; this one acts inside the engine, where out-of-memory errors happen.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ENV_VAR = "CRITICALKV_FAULTS"
+ENV_VAR = "CRITICALKV_ENGINE_FAULTS"
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def test_kept_positions_readable_through_engine():
 
 
 def test_simulated_oom_is_recorded_and_neighbours_survive(monkeypatch):
-    monkeypatch.setenv("CRITICALKV_FAULTS", "oom=bad")
+    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "oom=bad")
     requests = [Request("a", TEXT, ["Who?"]), Request("bad", TEXT * 2, ["Who?", "Why?"]), Request("c", TEXT, ["Why?"])]
     answers = _engine(method="snapkv", cache_size=0.5, batch_size=3).generate(requests)
     by_doc = {(a.doc_id, a.question_id): a for a in answers}
@@ -168,14 +168,14 @@ def test_simulated_oom_is_recorded_and_neighbours_survive(monkeypatch):
 
 
 def test_oom_retry_with_smaller_cache(monkeypatch):
-    monkeypatch.setenv("CRITICALKV_FAULTS", "oom=bad")
+    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "oom=bad")
     comp = CompressionConfig(method="snapkv", cache_size=0.5, window=4, kernel=3)
     engine = Engine(tiny_loaded(), comp, GenerationConfig(max_new_tokens=4), oom_retry_cache_size=0.2)
     # the simulated OOM fires on every prefill of "bad": the retry fails too and the error is kept
     answer = engine.generate([Request("bad", TEXT, ["Who?"])])[0]
     assert "OutOfMemoryError" in answer.error
     # a document that fits at 0.2: retried, answered, and the row says which cache size it used
-    monkeypatch.setenv("CRITICALKV_FAULTS", "oom=bad;oom_above=0.3")
+    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "oom=bad;oom_above=0.3")
     engine = Engine(tiny_loaded(), comp, GenerationConfig(max_new_tokens=4), oom_retry_cache_size=0.2)
     answers = engine.generate([Request("bad", TEXT, ["Who?"]), Request("good", TEXT, ["Who?"])])
     assert answers[0].error is None and answers[0].cache_size == 0.2
@@ -185,7 +185,7 @@ def test_oom_retry_with_smaller_cache(monkeypatch):
 def test_fault_spec_errors(monkeypatch):
     from pipeline.engine.faults import FaultInjection
 
-    monkeypatch.setenv("CRITICALKV_FAULTS", "explode=1")
+    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "explode=1")
     with pytest.raises(ValueError, match="unknown directive"):
         FaultInjection.from_env()
 
