@@ -25,6 +25,7 @@ from pipeline.cli_args import (
     add_compression_args,
     add_generation_args,
     add_model_args,
+    default_head_priors,
     format_validation_error,
 )
 from pipeline.data.synthetic import SUMMARY_INSTRUCTION
@@ -174,6 +175,9 @@ def config_from_args(job: str, argv: list[str] | None = None) -> JobConfig:
         print(f"warning: --output {layered['output']} is relative and this runs inside Ray's temporary copy of "
               f"the working dir ({os.getcwd()}); pass an absolute path on storage that outlives the job",
               file=sys.stderr)
+    compression = layered.setdefault("compression", {})
+    if "headkv" in str(compression.get("method", "")) and not compression.get("head_priors"):
+        compression["head_priors"] = default_head_priors(str(layered.get("model", {}).get("name", "smollm2")))
     try:
         layered["faults"] = FaultConfig.from_env().model_dump()
     except (ValueError, ValidationError) as exc:
