@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipeline.config import CompressionConfig, GenerationConfig, ModelConfig
 from pipeline.data.normalise import ColumnMapping
 
-JOBS = ("longdoc_qa", "summarize")
+JOBS = ("longdoc_qa", "summarize", "eval_compression")
 FAULTS_ENV = "CRITICALKV_FAULTS"
 
 
@@ -73,7 +73,7 @@ class JobConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    job: Literal["longdoc_qa", "summarize"] = "longdoc_qa"
+    job: Literal["longdoc_qa", "summarize", "eval_compression"] = "longdoc_qa"
     # --- input
     input: str | None = Field(None, description="file, directory or hub name; None: built-in samples")
     split: str | None = None
@@ -95,6 +95,11 @@ class JobConfig(BaseModel):
     # --- what runs
     model: ModelConfig = Field(default_factory=ModelConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    sweep: list[CompressionConfig] = Field(
+        default_factory=list,
+        description="eval_compression: settings answered from one prefill per document; question ids "
+        "of a sweep are '<question>|<method>|<cache_size>' (see pipeline.eval.sweep)",
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     engine_factory: str | None = Field(
         None, description="'module:function' building the Engine from the three configs (tests)"
@@ -170,6 +175,7 @@ class JobConfig(BaseModel):
             "engine_factory": self.engine_factory,
             "model": self.model.model_dump(mode="json", exclude={"cache_dir"}),
             "compression": self.compression.model_dump(mode="json"),
+            "sweep": [c.model_dump(mode="json") for c in self.sweep],
             "generation": self.generation.model_dump(mode="json", exclude={"batch_size"}),
         }
 

@@ -61,12 +61,14 @@ def summarize(table: pa.Table, wall_s: float, output: str = "", query_aware: boo
               rows_skipped: int = 0) -> RunSummary:
     """Summary of the rows in ``table`` produced in ``wall_s`` seconds."""
     rows = table.select([c for c in (
-        "doc_id", "question_id", "error", "ttft_s", "context_tokens", "question_tokens", "generated_tokens",
+        "doc_id", "question_id", "method", "cache_size", "error", "ttft_s", "context_tokens", "question_tokens", "generated_tokens",
         "kv_bytes_full", "kv_bytes_kept") if c in table.column_names]).to_pylist()
     ok = [r for r in rows if r.get("error") is None]
     caches: dict[tuple, dict] = {}
     for r in ok:
-        key = (r["doc_id"], r["question_id"]) if query_aware else (r["doc_id"],)
+        # one compressed cache per document and setting (sweeps and OOM retries have several)
+        key = (r["doc_id"], r.get("method"), r.get("cache_size"))
+        key = (*key, r["question_id"]) if query_aware else key
         caches.setdefault(key, r)
     fractions = [c["kv_bytes_kept"] / c["kv_bytes_full"] for c in caches.values() if c.get("kv_bytes_full")]
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]

@@ -51,6 +51,7 @@ class ColumnMapping(BaseModel):
     reference: str | None = None
     question_id: str | None = None
     max_new_tokens: str | None = None
+    task: str | None = None  # evaluation task name carried to the output's ``task`` column
 
     @field_validator("*")
     @classmethod
@@ -94,6 +95,7 @@ class ColumnMapping(BaseModel):
         out["reference"] = pick("reference", "references" if listed else "reference")
         out["answer_prefix"] = pick("answer_prefix", "answer_prefix")
         out["max_new_tokens"] = pick("max_new_tokens", "max_new_tokens")
+        out["task"] = pick("task", "task")
         if missing and not allow_missing:
             raise ValueError(
                 f"column mapping: missing column(s) {', '.join(missing)}; available columns: "
@@ -199,6 +201,7 @@ def _parse_row(row: dict, cols: dict[str, Any], where: str) -> dict:
         "doc_id": doc_id, "context": context, "questions": questions, "question_ids": ids,
         "references": refs, "answer_prefix": prefix or "",
         "max_new_tokens": _max_tokens(get("max_new_tokens"), errors),
+        "task": get("task") if isinstance(get("task"), str) else None,
         "errors": errors, "reader_error": row.get("input_error"), "raw": row,
     }
 
@@ -236,6 +239,7 @@ def _finish(doc: dict) -> dict:
         "doc_id": doc["doc_id"], "context": doc["context"],
         "questions": doc["questions"], "question_ids": ids, "answer_prefix": doc["answer_prefix"],
         "references": references, "max_new_tokens": doc["max_new_tokens"], "input_error": error,
+        "task": doc.get("task"),
     }
 
 

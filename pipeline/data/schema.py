@@ -77,6 +77,7 @@ DOCUMENT_SCHEMA: pa.Schema = pa.schema(
         pa.field("references", pa.list_(pa.list_(pa.string()))),
         pa.field("max_new_tokens", pa.int64()),
         pa.field("input_error", pa.string()),  # null for good rows
+        pa.field("task", pa.string()),  # optional evaluation task name, copied to the output rows
     ]
 )
 DOCUMENT_COLUMNS: tuple[str, ...] = tuple(DOCUMENT_SCHEMA.names)

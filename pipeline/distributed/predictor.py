@@ -73,6 +73,7 @@ class Predictor:
         row_fields: dict,
         engine_factory: str | None = None,
         faults: dict | None = None,
+        sweep: list[dict] | None = None,
     ) -> None:
         self.model_config = ModelConfig.model_validate(model)
         self.compression = CompressionConfig.model_validate(compression)
@@ -80,6 +81,7 @@ class Predictor:
         self.row_fields = dict(row_fields)
         self.faults = FaultConfig.model_validate(faults or {})
         self.batches = 0
+        self.sweep = [CompressionConfig.model_validate(c) for c in (sweep or [])]
         self.engine = resolve_factory(engine_factory)(self.model_config, self.compression, self.generation)
 
     # ------------------------------------------------------------------ Ray entry point
@@ -127,14 +129,14 @@ class Predictor:
                 answers = [next(answered) for _ in request.question_ids]
                 if any(a.doc_id != request.doc_id for a in answers):
                     raise RuntimeError("engine answers are out of order")
-                grouped.append((i, {a.question_id: a.as_row() for a in answers}))
+                grouped.append((i, {a.question_id: self._answer_row(a) for a in answers}))
             for i, answers in grouped:
                 results[i] = answers
         except Exception:  # noqa: BLE001 - isolate the document(s) that fail
             logger.warning("batch of %d documents failed, retrying one by one:\n%s", len(pending), traceback.format_exc())
             for i, request in pending:
                 try:
-                    results[i] = {a.question_id: a.as_row() for a in self._generate([request])}
+                    results[i] = {a.question_id: self._answer_row(a) for a in self._generate([request])}
                 except Exception as exc:  # noqa: BLE001
                     results[i] = _short(exc)
         return results
@@ -143,9 +145,46 @@ class Predictor:
         bad = [r.doc_id for r in requests if r.doc_id in self.faults.error_doc_ids]
         if bad:
             raise InjectedFault(f"fault injection: generation failed for document {bad[0]!r}")
+        if self.sweep:
+            return self._generate_sweep(requests)
         return self.engine.generate(requests)
 
+    def _generate_sweep(self, requests: list) -> list:
+        """Answers for every swept setting from one prefill per document (engine.generate_sweep).
+
+        Requests carry question ids ``<question>|<method>|<cache_size>`` (one entry per setting);
+        each distinct question is asked once per setting and its answers are returned under those
+        ids, in the requests' order, with the setting's method and cache size on the row.
+        """
+        from pipeline.engine.types import Request
+        from pipeline.eval.sweep import setting_key, split_question_id
+
+        base_requests = []
+        for request in requests:
+            base = dict.fromkeys(split_question_id(q)[0] for q in request.question_ids)
+            first = {split_question_id(q)[0]: text for q, text in zip(request.question_ids, request.questions)}
+            base_requests.append(Request(
+                doc_id=request.doc_id, context=request.context, questions=[first[b] for b in base],
+                question_ids=list(base), answer_prefix=request.answer_prefix, max_new_tokens=request.max_new_tokens,
+            ))
+        per_setting = self.engine.generate_sweep(base_requests, self.sweep)
+        found = {}
+        for setting, answers in zip(self.sweep, per_setting):
+            key = setting_key(setting)
+            for answer in answers:
+                answer.question_id = f"{answer.question_id}|{key}"
+                answer.extra.update(method=setting.method, cache_size=setting.cache_size, budget=setting.budget)
+                found[(answer.doc_id, answer.question_id)] = answer
+        return [found[(r.doc_id, q)] for r in requests for q in r.question_ids]
+
     # ------------------------------------------------------------------ rows
+    @staticmethod
+    def _answer_row(answer) -> dict:
+        """Contract columns of an answer; a sweep's per-setting method / cache size win."""
+        row = answer.as_row()
+        row.update({k: v for k, v in answer.extra.items() if k in ("method", "cache_size", "budget")})
+        return row
+
     def _rows_for(self, doc: dict, answers: dict[str, dict] | str) -> list[dict]:
         """Exactly one row per question id of ``doc``, in question order."""
         qids = list(dict.fromkeys(str(q) for q in (doc.get("question_ids") or ["0"])))  # a key once, even if repeated
@@ -159,10 +198,24 @@ class Predictor:
             elif qid in answers:
                 skip = ("doc_id", "question_id")
                 row.update({k: v for k, v in answers[qid].items() if k in OUTPUT_SCHEMA.names and k not in skip})
+                row["task"] = doc.get("task")
+                row["score"] = self._score(doc.get("task"), row.get("prediction"), row["reference"])
             else:
                 row["error"] = "internal: the engine returned no answer for this question"
             rows.append(row)
         return rows
+
+    @staticmethod
+    def _score(task: str | None, prediction: str | None, reference: list[str] | None) -> float | None:
+        """Score of an answer when its document names a known task (RULER / LongBench) and has references."""
+        if not task or not reference:
+            return None
+        from pipeline.eval.sweep import metric_for_task, score_prediction
+
+        try:
+            return score_prediction(metric_for_task(task), prediction, reference)
+        except Exception:  # noqa: BLE001 - a score that cannot be computed stays empty
+            return None
 
     def _to_table(self, rows: list[dict]) -> pa.Table:
         try:

@@ -15,8 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..config import METHODS, CompressionConfig
+from .longbench import LONGBENCH_DATASET_METRIC
 from .metrics import score
-from .ruler import MAX_NEW_TOKENS, TASKS, generate_task
+from .ruler import MAX_NEW_TOKENS, TASK_METRIC, TASKS, generate_task
+
+SEPARATOR = "|"
 
 
 def sweep_settings(methods: list[str], cache_sizes: list[float], base: CompressionConfig) -> list[CompressionConfig]:
@@ -73,3 +76,38 @@ def score_prediction(metric: str | None, prediction: str | None, references: lis
     if not metric or not references or prediction is None:
         return None
     return score(metric, prediction, references)
+
+
+def setting_key(config: CompressionConfig) -> str:
+    """``method|cache_size`` naming one swept setting inside question ids."""
+    return f"{config.method}{SEPARATOR}{config.cache_size:g}"
+
+
+def expand_for_sweep(docs: list[dict], settings: list[CompressionConfig]) -> list[dict]:
+    """One question entry per (question, setting): ids ``<question_id>|<method>|<cache_size>``, so
+    every (document, question, setting) is one output row with its own key (resume, dedupe and the
+    exactly-once check work per setting)."""
+    out = []
+    for doc in docs:
+        refs = doc.get("references") or [None] * len(doc["questions"])
+        expanded = {"questions": [], "question_ids": [], "references": []}
+        for setting in settings:
+            for qid, question, ref in zip(doc["question_ids"], doc["questions"], refs):
+                expanded["questions"].append(question)
+                expanded["question_ids"].append(f"{qid}{SEPARATOR}{setting_key(setting)}")
+                expanded["references"].append(ref)
+        out.append({**doc, **expanded})
+    return out
+
+
+def split_question_id(question_id: str) -> tuple[str, str | None]:
+    """``'0|snapkv|0.2'`` -> ``('0', 'snapkv|0.2')``; a plain id -> ``(id, None)``."""
+    base, sep, key = question_id.partition(SEPARATOR)
+    return (base, key) if sep else (question_id, None)
+
+
+def metric_for_task(task: str | None) -> str | None:
+    """The metric of a RULER task or LongBench dataset name (None when unknown)."""
+    if not task:
+        return None
+    return TASK_METRIC.get(task) or LONGBENCH_DATASET_METRIC.get(task)

@@ -74,7 +74,7 @@ def test_bad_rows_carry_input_error_and_good_rows_are_intact():
     ]
     out = {d["doc_id"]: d for d in normalise_batch(_table(rows), row_offset=0).to_pylist()}
     assert out["good"] == {"doc_id": "good", "context": "Fine text.", "questions": ["Why?"], "question_ids": ["0"],
-                           "answer_prefix": "", "references": None, "max_new_tokens": None, "input_error": None}
+                           "answer_prefix": "", "references": None, "max_new_tokens": None, "input_error": None, "task": None}
     assert out["good2"]["input_error"] is None and out["good2"]["context"] == "More text."
     assert out["null"]["input_error"] == "row 1: context is null or missing" and out["null"]["context"] is None
     assert out["empty"]["input_error"] == "row 2: context is empty"

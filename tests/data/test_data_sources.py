@@ -136,7 +136,7 @@ def test_mapping_renames_columns(tmp_path):
     row = read_documents(tmp_path / "in.parquet", mapping).to_pylist()[0]
     assert row == {"doc_id": "7", "context": "Some text.", "questions": ["Why?"], "question_ids": ["why"],
                    "answer_prefix": "Because", "references": [["x", "y"]], "max_new_tokens": 12,
-                   "input_error": None}
+                   "input_error": None, "task": None}
 
 
 def test_jsonl_content_errors_name_the_line_and_odd_lines_do_not_crash(tmp_path):

@@ -96,3 +96,28 @@ def test_factory_resolution_errors_are_clear():
     with pytest.raises(ValueError, match="cannot be imported"):
         resolve_factory("tests.distributed.nope:factory")
     assert callable(resolve_factory(None))
+
+
+def test_sweep_rows_per_setting_with_task_and_score():
+    from pipeline.config import CompressionConfig
+    from pipeline.eval.sweep import expand_for_sweep, sweep_settings
+
+    settings = sweep_settings(["snapkv", "criticalkv-snapkv"], [0.3, 1.0], CompressionConfig(window=4, kernel=3))
+    base = small_docs(2)
+    for doc in base:
+        doc["task"] = "niah_single_1"
+        doc["references"] = [["zzz-not-there"] for _ in doc["questions"]]
+    docs = expand_for_sweep(base, settings)
+    predictor = Predictor(
+        model={"name": "tiny-llama"}, compression=settings[0].model_dump(mode="json"),
+        generation={"max_new_tokens": 2, "batch_size": 2}, row_fields={**ROW_FIELDS, "job": "eval_compression"},
+        engine_factory=TINY_FACTORY, sweep=[s.model_dump(mode="json") for s in settings],
+    )
+    out = predictor(_batch(docs)).to_pylist()
+    assert len(out) == sum(len(d["questions"]) for d in base) * len(settings)
+    assert {(r["method"], r["cache_size"]) for r in out} == {("none", 1.0), ("snapkv", 0.3), ("criticalkv-snapkv", 0.3)}
+    for row in out:
+        assert row["error"] is None and row["task"] == "niah_single_1" and row["score"] == 0.0
+        assert row["question_id"].endswith(f"|{row['method']}|{row['cache_size']:g}")
+        full = row["kv_bytes_full"]
+        assert row["kv_bytes_kept"] / full == pytest.approx(1.008 if row["method"] == "none" else 0.3, abs=0.03)
