@@ -1,0 +1,137 @@
+"""Smoke tests of the benchmark helpers on tiny in-code models (no kvpress, no SmolLM2, fast)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+for path in (REPO, REPO / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import roofline  # noqa: E402
+import vs_kvpress  # noqa: E402
+from full_cache_scaling import configs, measure_length  # noqa: E402
+from run_all import has_flag  # noqa: E402
+
+from pipeline.kv.attention import register  # noqa: E402
+from tests.tiny import tiny_loaded, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    loaded = tiny_loaded("llama", layers=2)
+    loaded.model.set_attn_implementation(register())
+    return loaded
+
+
+def test_limits_are_positive():
+    limits = roofline.measure_limits(bandwidth_mib=4, matmul_n=64, repeats=1)
+    assert limits.copy_gbs > 0 and limits.read_gbs > 0 and limits.matmul_gflops > 0
+    assert limits.bandwidth_gbs == max(limits.copy_gbs, limits.read_gbs)
+    assert len(limits.rows()) == 3
+    better = roofline.Limits(limits.copy_gbs * 2, 0.0, 0.0, 4, 64)
+    best = limits.best(better)
+    assert best.copy_gbs == better.copy_gbs and best.read_gbs == limits.read_gbs and limits.best(None) is limits
+
+
+def test_bounds_on_tiny_model():
+    model = tiny_model("mistral", layers=2)  # GQA: 6 query heads, 2 KV heads
+    shape = roofline.model_shape(model)
+    assert (shape.layers, shape.q_heads, shape.kv_heads, shape.groups) == (2, 6, 2, 3)
+    assert shape.weight_bytes == sum(p.numel() * 4 for p in model.parameters())
+    limits = roofline.Limits(copy_gbs=10.0, read_gbs=20.0, matmul_gflops=100.0, bandwidth_mib=1, matmul_n=1)
+    small, bytes_small, _ = roofline.decode_bound_s(shape, 100, limits)
+    large, bytes_large, _ = roofline.decode_bound_s(shape, 10_000, limits)
+    assert 0 < small < large and bytes_large - bytes_small == 9_900 * shape.kv_entry_bytes_fp32
+    assert roofline.full_norm_flops(shape, 64) == roofline.exact_norm_flops(shape, 64 * shape.kv_heads * shape.layers)
+    assert roofline.prefill_flops(shape, 128) > 2 * roofline.prefill_flops(shape, 64) * 0.99
+
+
+def test_report_helpers():
+    text = roofline.table(["a", "b"], [["x", 1]])
+    assert text.splitlines()[1] == "|---|---:|"
+    head = roofline.header("title")
+    assert head.startswith("# title") and "- machine:" in head and "- command:" in head
+    assert roofline.fmt_ratio(1.0, 2.0) == "0.50" and roofline.fmt_ratio(1.0, 0.0) == "n/a"
+    assert roofline.parse_ints("1,2,") == [1, 2]
+    with roofline.PeakRSS() as mem:
+        torch.ones(1000)
+    assert mem.delta_bytes is None or mem.delta_bytes >= 0
+
+
+def test_norm_timer_restores_functions():
+    import pipeline.kv.criticalkv as crit
+
+    before = crit.norms_for_mask
+    with roofline.norm_timer() as acc:
+        assert crit.norms_for_mask is not before
+    assert crit.norms_for_mask is before and acc["exact_s"] == 0.0
+
+
+def test_agreement_and_score_gap():
+    ours = [[[0, 1, 2], [3, 4, 5]]]
+    theirs = [[[0, 1, 2], [3, 4, 6]]]
+    ag = vs_kvpress.agreement(ours, theirs)
+    assert ag["heads"] == 2 and ag["identical"] == 1 and ag["differing_entries"] == 2
+    assert ag["min_jaccard"] == pytest.approx(2 / 4)
+    scores = [torch.tensor([[9.0, 8, 7, 0, 0, 0, 0], [0, 0, 0, 5.0, 4.0, 1.0, 1.0 + 1e-6]])]
+    gap, stage1 = vs_kvpress.score_gap_at_differences(ours, theirs, scores)
+    assert gap < 1e-5 and stage1 == 0
+    assert vs_kvpress.kvpress_n_kept(1024, 0.2) == 204  # int(1024 * (1 - (1 - 0.2))) in floats
+
+
+def test_venv_commands_install_torch_first(tmp_path):
+    cmds = vs_kvpress.venv_commands(tmp_path / "v", "python3", tmp_path / "c.txt")
+    assert cmds[0][1:3] == ["-m", "venv"]
+    assert cmds[1][-1] == f"torch=={vs_kvpress.TORCH_VERSION}"
+    assert "-c" in cmds[2] and "kvpress==0.5.5" in cmds[2] and "transformers==5.2.0" in cmds[2] and "pandas<3" in cmds[2]
+    assert vs_kvpress.venv_stamp(tmp_path / "v").name.startswith(".ckv-kvpress-")
+
+
+def test_our_kept_positions_on_tiny_model(tiny):
+    n, budget = 160, 70
+    ids = torch.randint(0, 250, (1, n))
+    kept = vs_kvpress.our_kept(tiny.model, ids, ["snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv"], budget)
+    heads = tiny.model.config.num_key_value_heads
+    for method in ("snapkv", "criticalkv-snapkv"):
+        layers = kept[method]["kept"]
+        assert len(layers) == 2 and all(len(layer) == heads for layer in layers)
+        assert all(len(h) == budget and h[-64:] == list(range(n - 64, n)) for layer in layers for h in layer)
+        assert kept[method]["base_scores"][0].shape == (heads, n)
+    assert all(sum(len(h) for h in layer) == heads * budget for layer in kept["criticalkv-adakv-snapkv"]["kept"])
+
+
+def test_kvpress_adakv_rule_on_tiny_model(tiny):
+    n, budget = 160, 70
+    capture = vs_kvpress.capture_prefill(tiny.model, torch.randint(0, 250, (1, n)))
+    kept, hb, n_safe = vs_kvpress.kvpress_adakv_rule(capture, 0, 0, budget)
+    assert len(kept) == hb and n_safe == int(budget * 0.2)
+    assert set(range(n - 64, n)) <= kept or hb < 64
+
+
+def test_engine_document_run_on_tiny_model(tiny):
+    engine = vs_kvpress.make_engine(tiny, "criticalkv-adakv-snapkv", 0.5, new_tokens=3, batch_size=2)
+    docs = [roofline.document_of_tokens(tiny.tokenizer, 200, seed=s) for s in (0, 1)]
+    res = vs_kvpress.our_docs_run(engine, docs, new_tokens=3)
+    assert res["total_s"] > 0 and res["decode_ms"] is not None
+    assert 0 < res["kv_entries"] < res["kv_entries_full"] and len(res["kv_bytes_each"]) == 2
+    ctx, q = vs_kvpress.encode_for_kvpress(engine, docs[0], 3)
+    assert len(ctx) == res["context_tokens"][0] and len(q) == res["question_tokens"]
+
+
+def test_scaling_measure_on_tiny_model(tiny):
+    ids = torch.randint(0, 250, (1, 128))
+    res = measure_length(tiny.model, ids, configs(0.25), repeats=1, prefill_repeats=1, decode_steps=2)
+    assert res["none"]["kv_entries"] == 128 * 2 * tiny.model.config.num_key_value_heads
+    assert res["criticalkv-adakv-snapkv"]["kv_bytes"] < res["none"]["kv_bytes"]
+    assert all(len(r["decode_ms"]) == 1 for r in res.values())
+
+
+def test_run_all_flag_filter():
+    assert has_flag("  --lengths LENGTHS", "--lengths")
+    assert not has_flag("  --faith-lengths X", "--lengths")
