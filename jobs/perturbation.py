@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
-from pipeline.cli_args import add_model_args, fail, format_validation_error
+from pipeline.cli_args import add_knob_args, add_model_args, fail, format_validation_error
 from pipeline.config import CompressionConfig, ModelConfig
 from pipeline.engine.loading import load_model
 from pipeline.eval.calibration import shipped_priors
@@ -54,14 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-queries", type=int, default=None,
                    help="last context queries of the in-sample 'window' probe (default: --window; 0 = off)")
     g = p.add_argument_group("compression knobs shared by every method")
-    g.add_argument("--window", type=int, default=32)
-    g.add_argument("--kernel", type=int, default=7)
-    g.add_argument("--pooling", default="max", choices=["avg", "max"])
-    g.add_argument("--first-stage-ratio", type=float, default=0.5)
-    g.add_argument("--epsilon", type=float, default=1e-4)
-    g.add_argument("--norm", default="l1", choices=["l1", "l2"])
-    g.add_argument("--alpha-safeguard", type=float, default=0.2)
-    g.add_argument("--head-priors", default=None, help="HeadKV priors JSON (default: the file shipped for --model)")
+    add_knob_args(g)
     return p
 
 

@@ -28,6 +28,13 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--method", default="none", help=f"one of: {', '.join(METHODS)}")
     g.add_argument("--cache-size", type=float, default=1.0, help="kept fraction of each context (0.2 keeps 20%%)")
     g.add_argument("--budget", type=int, default=None, help="kept tokens per KV head (overrides --cache-size)")
+    add_knob_args(g)
+    g.add_argument("--max-cache-tokens", type=int, default=None, help="decode-time cap per KV head")
+    g.add_argument("--query-aware", action="store_true", help="compress with the question in the window")
+
+
+def add_knob_args(g) -> None:
+    """The method knobs shared by every setting (window, pooling, CriticalKV, AdaKV/HeadKV)."""
     g.add_argument("--window", type=int, default=32, help="SnapKV observation window")
     g.add_argument("--kernel", type=int, default=7, help="SnapKV pooling kernel (odd)")
     g.add_argument("--pooling", default="max", choices=["avg", "max"])
@@ -37,8 +44,6 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--alpha-safeguard", type=float, default=0.2, help="AdaKV/HeadKV per-head floor")
     g.add_argument("--head-priors", default=None,
                    help="HeadKV per-head importance JSON (default for smollm2: the shipped calibration)")
-    g.add_argument("--max-cache-tokens", type=int, default=None, help="decode-time cap per KV head")
-    g.add_argument("--query-aware", action="store_true", help="compress with the question in the window")
 
 
 def add_generation_args(parser: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:

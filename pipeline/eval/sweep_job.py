@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
-from ..cli_args import add_model_args, default_head_priors, format_validation_error
+from ..cli_args import add_knob_args, add_model_args, default_head_priors, format_validation_error
 from ..config import METHODS, CompressionConfig, GenerationConfig, ModelConfig
 from .sweep import expand_for_sweep, ruler_documents, sweep_settings, token_counter
 
@@ -45,14 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-actor", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=1)
     g = p.add_argument_group("compression knobs shared by every setting")
-    g.add_argument("--window", type=int, default=32)
-    g.add_argument("--kernel", type=int, default=7)
-    g.add_argument("--pooling", default="max", choices=["avg", "max"])
-    g.add_argument("--first-stage-ratio", type=float, default=0.5)
-    g.add_argument("--epsilon", type=float, default=1e-4)
-    g.add_argument("--norm", default="l1", choices=["l1", "l2"])
-    g.add_argument("--alpha-safeguard", type=float, default=0.2)
-    g.add_argument("--head-priors", default=None, help="default for smollm2: the shipped calibration")
+    add_knob_args(g)
     g.add_argument("--query-aware", action="store_true", help="question inside the observation window")
     add_model_args(p)
     return p
