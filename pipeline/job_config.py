@@ -111,6 +111,9 @@ class JobConfig(BaseModel):
     gpus_per_actor: float = Field(0.0, ge=0.0)
     cpus_per_actor: float | None = Field(None, gt=0.0, description="default: 1 with GPUs, else 2 (or all CPUs if fewer)")
     faults: FaultConfig = Field(default_factory=FaultConfig)
+    oom_retry_cache_size: float | None = Field(
+        None, gt=0.0, le=1.0, description="retry a document that ran out of memory once at this cache size"
+    )
 
     @field_validator("input")
     @classmethod

@@ -54,7 +54,7 @@ COMPRESSION_FLAGS = ("method", "cache_size", "budget", "window", "kernel", "pool
 GENERATION_FLAGS = ("max_new_tokens", "batch_size", "truncate")
 TOP_FLAGS = ("input", "output", "split", "dataset_config", "sample_docs", "sample_words", "sample_seed",
              "normalise", "rows_per_file", "retry_errors", "instruction", "min_actors", "max_actors",
-             "gpus_per_actor", "cpus_per_actor", "ray_address", "engine_factory")
+             "gpus_per_actor", "cpus_per_actor", "ray_address", "engine_factory", "oom_retry_cache_size")
 
 
 def build_parser(job: str) -> argparse.ArgumentParser:
@@ -85,6 +85,8 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     run.add_argument("--max-actors", type=int)
     run.add_argument("--gpus-per-actor", type=float, help="GPUs per actor (default 0)")
     run.add_argument("--cpus-per-actor", type=float, help="CPUs per actor (default 1 with GPUs, else 2)")
+    run.add_argument("--oom-retry-cache-size", type=float,
+                     help="retry a document that ran out of memory once, at this smaller cache size")
     run.add_argument("--ray-address", help="Ray cluster to use (default: $RAY_ADDRESS, else start a local Ray)")
     run.add_argument("--engine-factory", help="'module:function' building the engine (tests, custom models)")
     add_model_args(p)

@@ -446,6 +446,7 @@ def build_dataset(config: JobConfig, docs: pa.Table | None, done: dict[str, list
             "engine_factory": config.engine_factory,
             "faults": config.faults.model_dump(mode="json"),
             "sweep": [c.model_dump(mode="json") for c in config.sweep],
+            "oom_retry_cache_size": config.oom_retry_cache_size,
         },
         compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
         num_cpus=cpus,

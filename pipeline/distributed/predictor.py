@@ -74,6 +74,7 @@ class Predictor:
         engine_factory: str | None = None,
         faults: dict | None = None,
         sweep: list[dict] | None = None,
+        oom_retry_cache_size: float | None = None,
     ) -> None:
         self.model_config = ModelConfig.model_validate(model)
         self.compression = CompressionConfig.model_validate(compression)
@@ -83,6 +84,8 @@ class Predictor:
         self.batches = 0
         self.sweep = [CompressionConfig.model_validate(c) for c in (sweep or [])]
         self.engine = resolve_factory(engine_factory)(self.model_config, self.compression, self.generation)
+        if oom_retry_cache_size is not None:
+            self.engine.enable_oom_retry(oom_retry_cache_size)
 
     # ------------------------------------------------------------------ Ray entry point
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -87,16 +87,21 @@ class Engine:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_context_tokens = max_context_tokens or getattr(cfg, "max_position_embeddings", None)
         self.compressor = self.make_compressor(self.compression)
-        self.oom_retry_cache_size = oom_retry_cache_size
+        self.oom_retry_cache_size = None
         self._retry_compressor = None
         if oom_retry_cache_size is not None:
-            retry_cfg = self.compression.model_copy(update={"cache_size": oom_retry_cache_size, "budget": None})
-            self._retry_compressor = self.make_compressor(CompressionConfig.model_validate(retry_cfg.model_dump()))
+            self.enable_oom_retry(oom_retry_cache_size)
         self.faults = FaultInjection.from_env()
         self.prompts = PromptBuilder(self.tokenizer, use_chat_template)
         self.model.set_attn_implementation(register_attention())
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def enable_oom_retry(self, cache_size: float) -> None:
+        """Retry a document that ran out of memory once, compressed to ``cache_size`` instead."""
+        retry = CompressionConfig.model_validate({**self.compression.model_dump(), "cache_size": cache_size, "budget": None})
+        self._retry_compressor = self.make_compressor(retry)
+        self.oom_retry_cache_size = cache_size
 
     def make_compressor(self, config: CompressionConfig) -> Compressor:
         """A compressor for this model (HeadKV priors read from the config's file, if any)."""

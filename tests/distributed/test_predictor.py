@@ -121,3 +121,23 @@ def test_sweep_rows_per_setting_with_task_and_score():
         assert row["question_id"].endswith(f"|{row['method']}|{row['cache_size']:g}")
         full = row["kv_bytes_full"]
         assert row["kv_bytes_kept"] / full == pytest.approx(1.008 if row["method"] == "none" else 0.3, abs=0.03)
+
+
+def test_oom_rows_are_recorded_or_retried_smaller(monkeypatch):
+    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "oom=d0;oom_above=0.3")
+    docs = small_docs(3)
+    docs[0]["doc_id"] = "d0"
+
+    def run(retry):
+        p = Predictor(model={"name": "tiny-llama"}, compression={"method": "snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
+                      generation={"max_new_tokens": 2, "batch_size": 3}, row_fields=ROW_FIELDS, engine_factory=TINY_FACTORY,
+                      oom_retry_cache_size=retry)
+        return p(_batch(docs)).to_pylist()
+
+    plain = run(None)
+    assert all("OutOfMemoryError" in r["error"] for r in plain if r["doc_id"] == "d0")
+    assert all(r["error"] is None for r in plain if r["doc_id"] != "d0")
+    retried = run(0.2)
+    assert all(r["error"] is None for r in retried)
+    assert {r["cache_size"] for r in retried if r["doc_id"] == "d0"} == {0.2}
+    assert {r["cache_size"] for r in retried if r["doc_id"] != "d0"} == {0.5}
