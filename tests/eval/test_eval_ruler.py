@@ -1,7 +1,6 @@
 """Offline RULER-style generator (arXiv 2404.06654, NVIDIA/RULER): lengths, needles, determinism."""
 
 import collections
-import hashlib
 import json
 import os
 import re
