@@ -49,6 +49,7 @@ class FaultConfig(BaseModel):
     raise_after_batches: int | None = Field(None, ge=0)
     raise_delay_s: float = Field(0.0, ge=0.0)
     error_doc_ids: list[str] = Field(default_factory=list)
+    engine: str = Field("", description="engine-level directives (pipeline.engine.faults), e.g. 'crash=ID;crash_marker=PATH'")
 
     @classmethod
     def from_env(cls) -> "FaultConfig":
@@ -57,7 +58,7 @@ class FaultConfig(BaseModel):
 
     @property
     def active(self) -> bool:
-        return self.raise_after_batches is not None or bool(self.error_doc_ids)
+        return self.raise_after_batches is not None or bool(self.error_doc_ids) or bool(self.engine)
 
 
 def _looks_like_path(text: str) -> bool:

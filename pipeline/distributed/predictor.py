@@ -86,6 +86,10 @@ class Predictor:
         self.engine = resolve_factory(engine_factory)(self.model_config, self.compression, self.generation)
         if oom_retry_cache_size is not None:
             self.engine.enable_oom_retry(oom_retry_cache_size)
+        if self.faults.engine:  # tests: crash / OOM inside this actor's engine
+            from pipeline.engine.faults import FaultInjection
+
+            self.engine.faults = FaultInjection.parse(self.faults.engine)
 
     # ------------------------------------------------------------------ Ray entry point
     def __call__(self, batch: pa.Table) -> pa.Table:

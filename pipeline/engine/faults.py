@@ -35,7 +35,12 @@ class FaultInjection:
 
     @classmethod
     def from_env(cls) -> "FaultInjection":
-        spec = os.environ.get(ENV_VAR, "").strip()
+        return cls.parse(os.environ.get(ENV_VAR, ""))
+
+    @classmethod
+    def parse(cls, spec: str) -> "FaultInjection":
+        """Parse a directive string (the format of ``CRITICALKV_ENGINE_FAULTS``)."""
+        spec = spec.strip()
         values: dict[str, str] = {}
         for part in filter(None, (p.strip() for p in spec.split(";"))):
             key, _, value = part.partition("=")

@@ -204,3 +204,19 @@ def test_normalised_inside_ray_skips_done_documents(local_ray, tmp_path):
 def test_question_rows_grouped_inside_ray_skip_done_documents(local_ray, tmp_path):
     """``normalise="ray"``, one question per row: groupby(doc_id).map_groups(normalise_batch) (a shuffle)."""
     _normalised_in_ray_with_one_document_done(tmp_path, one_question_per_row=True)
+
+
+def test_actor_killed_while_holding_a_batch(local_ray, tmp_path):
+    """The actor process exits abruptly (os._exit) while prefilling one document; Ray restarts it
+    and retries the batch: every doc_id x question appears exactly once, none with an error."""
+    docs = small_docs(4, seed=7)
+    path = write_documents(docs, tmp_path / "in.jsonl")
+    marker = tmp_path / "crashed-once"
+    victim = docs[2]["doc_id"]
+    config = tiny_config(tmp_path / "out", input=str(path), rows_per_file=1,
+                         faults={"engine": f"crash={victim};crash_marker={marker}"})
+    result = run_job(config, echo=False)
+    assert marker.exists()  # the crash really happened
+    table = _read(result.data_dir)
+    _assert_exactly_once(table, docs)
+    assert table.column("error").null_count == table.num_rows
