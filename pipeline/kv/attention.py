@@ -6,7 +6,7 @@ registry (a public extension point; other implementations are untouched). A mode
 ``model.set_attn_implementation("criticalkv_varlen")`` and the engine passes its
 :class:`~pipeline.kv.cache.VarLenCache` both as ``cache=`` (transformers calls its ``update``)
 and as the ``varlen_cache=`` keyword, which transformers forwards to the attention function.
-Masks are derived from original token positions held by the cache (no ``cache_position``):
+Masks are derived from original token positions held by the cache (never from a cache-position argument, which transformers 5.x no longer passes):
 key j is visible to query q iff ``0 <= pos_j <= pos_q``.
 """
 
