@@ -265,24 +265,27 @@ class Engine:
         """Prefill and compress one request's context only and return the cache, so callers can
         inspect what was kept: ``cache.kept_positions(layer, 0, kv_head)`` gives the original token
         positions (0 = first context token after the chat-template head) held for that head."""
-        return self._prefill(self._rows_for(request)[:1])[0]
+        cache = VarLenCache(self.num_layers, self.compressor)
+        self._prefill(self._rows_for(request)[:1], cache)
+        return cache
 
-    def _prefill(self, rows: list[_Row], compressor: Compressor | None = None) -> tuple[VarLenCache, torch.Tensor, torch.Tensor]:
-        """Left-padded context prefill with per-layer compression -> (cache, lengths (B,), last logits)."""
+    def _prefill(self, rows: list[_Row], cache: VarLenCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded context prefill into ``cache`` (compressing, or capturing for a sweep)
+        -> (context lengths (B,), last logits)."""
         if self.faults.active:
-            self.faults.before_prefill([r.request.doc_id for r in rows], (compressor or self.compressor).config.cache_size)
+            size = cache.compressor.config.cache_size if cache.compressor is not None else 1.0
+            self.faults.before_prefill([r.request.doc_id for r in rows], size)
         ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
         ids, pos = self._left_pad([r.prompt.context_ids for r in rows], torch.zeros(len(rows), dtype=torch.long))
-        cache = VarLenCache(self.num_layers, compressor or self.compressor)
-        logits = self._forward(cache, ids, pos)
-        return cache, ctx_len, logits
+        return ctx_len, self._forward(cache, ids, pos)
 
     @torch.inference_mode()
     def _run_batch(self, rows: list[_Row], compressor: Compressor | None = None) -> list[Answer]:
         meter = PeakMemory(self.device)
         with meter:
             t0 = now(self.device)
-            cache, ctx_len, logits = self._prefill(rows, compressor)
+            cache = VarLenCache(self.num_layers, compressor or self.compressor)
+            ctx_len, logits = self._prefill(rows, cache)
             prefill_s = now(self.device) - t0
             per_round = self._answer_rounds(cache, rows, ctx_len, logits)
         kept = (cache.context_entries.tolist(), cache.context_bytes.tolist())
@@ -293,14 +296,10 @@ class Engine:
         meter = PeakMemory(self.device)
         answers: list[tuple] = []
         with meter:
-            if self.faults.active:
-                self.faults.before_prefill([r.request.doc_id for r in rows])
             window = max(c.config.window for c in compressors)
             capture = VarLenCache(self.num_layers, None, capture_window=window)
-            ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
-            ids, pos = self._left_pad([r.prompt.context_ids for r in rows], torch.zeros(len(rows), dtype=torch.long))
             t0 = now(self.device)
-            logits = self._forward(capture, ids, pos)
+            ctx_len, logits = self._prefill(rows, capture)
             prefill_s = now(self.device) - t0
             for compressor in compressors:
                 cache = VarLenCache.from_capture(capture, compressor)

@@ -39,14 +39,15 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         else:
-            self.peak_bytes = _vm_hwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            self.peak_bytes = proc_status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _vm_hwm() -> int | None:
+def proc_status_bytes(key: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``...) in bytes; None off Linux."""
     try:
         with open("/proc/self/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
