@@ -72,8 +72,6 @@ sliding window shorter than the sequence are refused), no decode-time cap (``max
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -119,6 +117,9 @@ SCHEMA = pa.schema(
         ("top1_agreement", pa.float64()),
     ]
 )
+
+from .perturbation_docs import Document, continuation_documents, question_documents  # noqa: E402,F401 - public here too
+from .perturbation_summary import format_headline, headline  # noqa: E402,F401 - public here too
 
 
 # --------------------------------------------------------------------------- pure tensor math
@@ -424,69 +425,6 @@ def analyse_document(
     return pa.Table.from_pydict(rows, schema=SCHEMA)
 
 
-# --------------------------------------------------------------------------- documents
-
-
-@dataclass
-class Document:
-    """A context and the later tokens whose attention is measured."""
-
-    doc_id: str
-    context_ids: list[int]
-    query_ids: list[int]
-    query_kind: str  # "question" | "continuation"
-
-
-def question_documents(
-    tokenizer, length: int, samples: int, seed: int = 0, task: str = "niah_single_2", use_chat_template: bool = True
-) -> list[Document]:
-    """RULER-style documents (default ``niah_single_2``: essay haystack, one number needle).
-
-    The context chunk is encoded as the engine does (:class:`~pipeline.engine.prompts.PromptBuilder`);
-    the later tokens are the question chunk (question + chat template tail + answer prefix) followed
-    by the reference answer, teacher-forced (`` " " + reference[0]``).
-    """
-    from ..engine.prompts import PromptBuilder
-    from .ruler import generate_task
-
-    builder = PromptBuilder(tokenizer, use_chat_template)
-
-    def count(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    docs = []
-    for row in generate_task(task, length, count, samples, seed):
-        prompt = builder.encode(row["context"], [row["question"]], row["answer_prefix"])
-        answer = list(tokenizer(" " + row["reference"][0], add_special_tokens=False)["input_ids"])
-        docs.append(Document(row["doc_id"], prompt.context_ids, prompt.question_ids[0] + answer, "question"))
-    return docs
-
-
-def continuation_documents(tokenizer, length: int, samples: int, query_tokens: int = 64, seed: int = 0) -> list[Document]:
-    """Plain-text documents from the essay haystack: the first ``length`` tokens are the context, the
-    next ``query_tokens`` tokens of the same text are the later queries (language-model continuation).
-    Each sample starts at a seeded random word of the essays."""
-    from .ruler_data import essay_words
-
-    words = list(essay_words())
-    words = words + words  # a sample may start near the end: wrap around
-    rng = random.Random(seed)
-    need = length + query_tokens
-    docs = []
-    for i in range(samples):
-        start = rng.randrange(len(words) // 2)
-        take = max(need, 64)
-        while True:
-            ids = list(tokenizer(" ".join(words[start : start + take]), add_special_tokens=True)["input_ids"])
-            if len(ids) >= need or take >= len(words) // 2:
-                break
-            take = int(take * 1.5) + 16
-        if len(ids) < need:
-            raise ValueError(f"the essay haystack is too short for {need} tokens")
-        docs.append(Document(f"continuation-{length}-s{seed}-{i:05d}", ids[:length], ids[length:need], "continuation"))
-    return docs
-
-
 # --------------------------------------------------------------------------- runs and summaries
 
 
@@ -507,72 +445,3 @@ def run_perturbation(
         if progress is not None:
             progress(f"{doc.doc_id}: {len(doc.context_ids)} context + {len(doc.query_ids)} query tokens done")
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-
-
-def headline(table: pa.Table) -> list[dict]:
-    """CriticalKV vs its base method, per (probe, cache_size, method) present in ``table``.
-
-    For every ``criticalkv-X`` method whose base ``X`` is also in the table, pairs the rows on
-    (doc_id, query_kind, probe, cache_size, layer, kv_head) and returns dicts with ``probe``, ``method``,
-    ``base_method``, ``cache_size``, ``heads`` (pairs), ``fraction_lower`` (strictly lower
-    ``perturbation``), ``fraction_equal``, ``median_ratio`` (median of perturbation / base
-    perturbation over pairs where the base is > 0), ``mean_perturbation`` / ``base_mean_perturbation``,
-    ``hidden_deviation`` / ``base_hidden_deviation`` (means over documents; None for the window probe).
-    """
-    cols = table.select(
-        ["doc_id", "query_kind", "probe", "method", "base_method", "criticalkv", "cache_size", "layer", "kv_head",
-         "perturbation", "hidden_deviation"]
-    ).to_pylist()
-    by_key: dict[tuple, dict[str, dict]] = {}
-    for r in cols:
-        key = (r["doc_id"], r["query_kind"], r["probe"], r["cache_size"], r["layer"], r["kv_head"])
-        by_key.setdefault(key, {})[r["method"]] = r
-    methods = sorted({(r["probe"], r["method"], r["base_method"], r["cache_size"]) for r in cols if r["criticalkv"]})
-    out = []
-    for probe, method, base, cache_size in methods:
-        pairs = [
-            (ms[method], ms[base])
-            for key, ms in by_key.items()
-            if key[2] == probe and key[3] == cache_size and method in ms and base in ms
-        ]
-        if not pairs:
-            continue
-        lower = sum(1 for c, b in pairs if c["perturbation"] < b["perturbation"])
-        equal = sum(1 for c, b in pairs if c["perturbation"] == b["perturbation"])
-        ratios = sorted(c["perturbation"] / b["perturbation"] for c, b in pairs if b["perturbation"] > 0)
-        docs_c = {(c["doc_id"], c["query_kind"]): c["hidden_deviation"] for c, _ in pairs}
-        docs_b = {(b["doc_id"], b["query_kind"]): b["hidden_deviation"] for _, b in pairs}
-        later = probe == "later"
-        out.append(
-            {
-                "probe": probe,
-                "method": method,
-                "base_method": base,
-                "cache_size": cache_size,
-                "heads": len(pairs),
-                "fraction_lower": lower / len(pairs),
-                "fraction_equal": equal / len(pairs),
-                "median_ratio": ratios[len(ratios) // 2] if ratios else math.nan,
-                "mean_perturbation": sum(c["perturbation"] for c, _ in pairs) / len(pairs),
-                "base_mean_perturbation": sum(b["perturbation"] for _, b in pairs) / len(pairs),
-                "hidden_deviation": sum(docs_c.values()) / len(docs_c) if later else None,
-                "base_hidden_deviation": sum(docs_b.values()) / len(docs_b) if later else None,
-            }
-        )
-    return out
-
-
-def format_headline(rows: list[dict]) -> str:
-    """One line per pair, e.g. ``[later] criticalkv-snapkv vs snapkv @ cache 0.2: perturbation lower in ...``."""
-    lines = []
-    for r in rows:
-        line = (
-            f"[{r['probe']}] {r['method']} vs {r['base_method']} @ cache {r['cache_size']:g}: perturbation lower in "
-            f"{100 * r['fraction_lower']:.1f}% of {r['heads']} (doc, layer, kv-head) "
-            f"(equal {100 * r['fraction_equal']:.1f}%), median ratio {r['median_ratio']:.3f}, "
-            f"mean {r['mean_perturbation']:.4g} vs {r['base_mean_perturbation']:.4g}"
-        )
-        if r["hidden_deviation"] is not None:
-            line += f"; hidden deviation {r['hidden_deviation']:.4f} vs {r['base_hidden_deviation']:.4f}"
-        lines.append(line)
-    return "\n".join(lines)
