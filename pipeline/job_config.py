@@ -6,12 +6,15 @@ a bad value raises a pydantic ``ValidationError`` whose location names the field
 (``input``, ``output``, ``compression.method``, ``max_actors`` ...).
 
 Input: ``input`` is a Parquet file or directory, a JSONL file, a ``save_to_disk`` directory or a hub
-dataset name (see :mod:`pipeline.data.sources`); ``None`` means the built-in sample documents of
-the job (``sample_docs`` documents of about ``sample_words`` words each).
+dataset name (see :mod:`pipeline.data.sources`), or an ``s3://`` / ``gs://`` URI of a Parquet or
+JSONL object or a prefix of Parquet objects; ``None`` means the built-in sample documents of the job
+(``sample_docs`` documents of about ``sample_words`` words each).
 
-Output: ``output`` is a directory; results go to ``output/data/*.parquet`` and the run manifest to
-``output/manifest.json`` (see :mod:`pipeline.distributed.driver`). It must be a directory on a
-POSIX filesystem the driver can see: write tasks run on the driver's node.
+Output: ``output`` is a directory or an ``s3://`` / ``gs://`` prefix; results go to
+``output/data/*.parquet`` and the run manifest to ``output/manifest.json`` (see
+:mod:`pipeline.distributed.driver`). A local output must be on a filesystem the driver can see:
+write tasks run on the driver's node. URIs are kept as given (canonicalised) and only parsed here,
+never opened: whether the bucket exists is checked when the job starts (see :mod:`pipeline.storage`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipeline.config import CompressionConfig, GenerationConfig, ModelConfig
 from pipeline.data.normalise import ColumnMapping
+from pipeline.data.sources import _looks_like_path
+from pipeline.storage import StorageError, is_uri, resolve
 
 JOBS = ("longdoc_qa", "summarize", "eval_compression")
 FAULTS_ENV = "CRITICALKV_FAULTS"
@@ -61,12 +66,13 @@ class FaultConfig(BaseModel):
         return self.raise_after_batches is not None or bool(self.error_doc_ids) or bool(self.engine)
 
 
-def _looks_like_path(text: str) -> bool:
-    """Hub dataset names are ``name`` or ``owner/name``; anything else is meant as a local path."""
-    return (
-        text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1
-        or text.endswith((".parquet", ".pq", ".jsonl", ".ndjson", ".json"))
-    )
+def _parse_uri(value: str) -> str:
+    """A ``file://``, ``s3://`` or ``gs://`` URI, canonicalised (offline: no bucket is contacted)."""
+    try:
+        location = resolve(value)
+    except StorageError as exc:
+        raise ValueError(str(exc)) from None
+    return location.uri
 
 
 class JobConfig(BaseModel):
@@ -76,7 +82,7 @@ class JobConfig(BaseModel):
 
     job: Literal["longdoc_qa", "summarize", "eval_compression"] = "longdoc_qa"
     # --- input
-    input: str | None = Field(None, description="file, directory or hub name; None: built-in samples")
+    input: str | None = Field(None, description="file, directory, s3:// or gs:// URI, or hub name; None: built-in samples")
     split: str | None = None
     dataset_config: str | None = None
     columns: ColumnMapping = Field(default_factory=ColumnMapping)
@@ -90,7 +96,7 @@ class JobConfig(BaseModel):
         "auto", description="where input rows are grouped into documents (see pipeline.distributed.driver)"
     )
     # --- output
-    output: Path
+    output: str = Field(description="directory, or s3:// / gs:// prefix")
     rows_per_file: int = Field(64, ge=1, description="rows bundled per committed Parquet file")
     retry_errors: bool = Field(False, description="resume also re-runs questions whose row has an error")
     # --- what runs
@@ -123,21 +129,32 @@ class JobConfig(BaseModel):
             return None
         if not value.strip():
             raise ValueError("input must not be empty (leave it unset for the built-in samples)")
+        if is_uri(value):
+            return _parse_uri(value)
         path = Path(value).expanduser()
         if not path.exists() and _looks_like_path(value):
             raise ValueError(f"no such file or directory: {value}")
         return value
 
+    @field_validator("output", mode="before")
+    @classmethod
+    def _output_text(cls, value: object) -> object:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
     @field_validator("output")
     @classmethod
-    def _output_is_dir(cls, value: Path) -> Path:
+    def _output_is_dir(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("output must not be empty")
+        if is_uri(value):
+            return _parse_uri(value)
         path = Path(value).expanduser()
         if path.exists() and not path.is_dir():
             raise ValueError(f"{value} exists and is a file; the output must be a directory")
         parent = next((p for p in path.absolute().parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             raise ValueError(f"{parent} is a file, so {value} cannot be created")
-        return path
+        return value
 
     @field_validator("engine_factory")
     @classmethod

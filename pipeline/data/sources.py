@@ -16,6 +16,10 @@ What ``path_or_name`` may be, tried in this order:
   line never stops a run;
 * otherwise, when the string is not an existing path and does not look like one, a hub dataset
   name (``datasets.load_dataset(name, config, split=...)``); failures become :class:`DataSourceError`.
+
+``s3://`` and ``gs://`` URIs (see :mod:`pipeline.storage`) name a Parquet or JSON-lines object, or a
+prefix of Parquet objects, read through pyarrow's filesystems; ``datasets`` directories are read
+from local paths only.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from collections.abc import Collection
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.data.normalise import ColumnMapping, check_duplicate_ids, normalise_batch
+from pipeline.storage import Location, StorageError, is_uri, resolve
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -75,7 +81,7 @@ def _column(name: str, values: list, lines: list[int], errors: list[list[str]], 
         return pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string())
 
 
-def read_jsonl(path: str | os.PathLike, fields: Collection[str] | None = None) -> pa.Table:
+def read_jsonl(path: str | os.PathLike | Location, fields: Collection[str] | None = None) -> pa.Table:
     """Read JSON lines into a raw Arrow table with an ``input_error`` column (null on good lines).
 
     An ``input_line`` column holds each row's line number, so later messages can name the line.
@@ -83,8 +89,9 @@ def read_jsonl(path: str | os.PathLike, fields: Collection[str] | None = None) -
     ``fields``: the columns that matter downstream; a type clash in another column only turns that
     column into JSON text instead of flagging the rows. None means every column matters.
     """
-    data = Path(path).read_bytes()
-    if Path(path).suffix == ".json" and data.lstrip()[:1] == b"[":
+    location = resolve(path)
+    data = location.read_bytes()
+    if location.suffix == ".json" and data.lstrip()[:1] == b"[":
         try:
             records = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -125,14 +132,42 @@ def read_jsonl(path: str | os.PathLike, fields: Collection[str] | None = None) -
     return pa.Table.from_arrays(arrays + [error_col, line_col], names=names + ["input_error", "input_line"])
 
 
-def _read_parquet(path: Path) -> pa.Table:
-    if path.is_file():
-        return pq.read_table(path)
-    files = sorted(p for p in path.rglob("*") if p.suffix in PARQUET_SUFFIXES and p.is_file()
-                   and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
-    if not files:
-        raise DataSourceError(f"{path}: directory holds no Parquet files and is not a datasets directory")
-    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
+def _read_parquet(location: Location) -> pa.Table:
+    if location.is_file():
+        return pq.read_table(location.path, filesystem=location.fs)
+    listed = [i for i in location.files(recursive=True) if i.extension in ("parquet", "pq")
+              and not any(part.startswith((".", "_")) for part in location.relative(i).parts)]
+    if not listed:
+        raise DataSourceError(f"{location}: directory holds no Parquet files and is not a datasets directory")
+    files = sorted(i.path for i in listed)
+    return pa.concat_tables([pq.read_table(f, filesystem=location.fs) for f in files], promote_options="permissive")
+
+
+def _read_file(location: Location, fields: Collection[str] | None) -> pa.Table:
+    if location.suffix in PARQUET_SUFFIXES:
+        return _read_parquet(location)
+    if location.suffix in JSONL_SUFFIXES:
+        return read_jsonl(location, fields)
+    raise DataSourceError(
+        f"{location}: unsupported file type {location.suffix!r}; use Parquet ({', '.join(PARQUET_SUFFIXES)}) "
+        f"or JSON lines ({', '.join(JSONL_SUFFIXES)})"
+    )
+
+
+def _read_object_store(uri: str, fields: Collection[str] | None) -> pa.Table:
+    try:
+        location = resolve(uri)
+    except StorageError as exc:
+        raise DataSourceError(str(exc)) from exc
+    try:
+        info = location.info()
+        if info.type == pafs.FileType.File:
+            return _read_file(location, fields)
+        if info.type == pafs.FileType.Directory:
+            return _read_parquet(location)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DataSourceError(f"{location}: cannot read ({type(exc).__name__}: {exc})") from exc
+    raise FileNotFoundError(f"input not found: {location}")
 
 
 def _pick_split(dataset, split: str | None, where: str):
@@ -168,6 +203,8 @@ def read_table(
     ``split``: which split of a saved ``DatasetDict`` or hub dataset (default ``train`` when there,
     or the only split). ``config``: hub dataset configuration name. ``fields``: see :func:`read_jsonl`.
     """
+    if is_uri(path_or_name):
+        return _read_object_store(path_or_name, fields)
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
@@ -178,16 +215,9 @@ def read_table(
             except Exception as exc:  # noqa: BLE001 - any failure here is an unreadable directory
                 raise DataSourceError(f"{path}: could not load the saved datasets directory: {exc}") from exc
             return _pick_split(loaded, split, str(path))
-        return _read_parquet(path)
+        return _read_parquet(resolve(path))
     if path.is_file():
-        if path.suffix in PARQUET_SUFFIXES:
-            return _read_parquet(path)
-        if path.suffix in JSONL_SUFFIXES:
-            return read_jsonl(path, fields)
-        raise DataSourceError(
-            f"{path}: unsupported file type {path.suffix!r}; use Parquet ({', '.join(PARQUET_SUFFIXES)}) "
-            f"or JSON lines ({', '.join(JSONL_SUFFIXES)})"
-        )
+        return _read_file(resolve(path), fields)
     name = str(path_or_name)
     if _looks_like_path(name):
         raise FileNotFoundError(f"input not found: {name}")

@@ -30,6 +30,7 @@ from pipeline.cli_args import (
 )
 from pipeline.data.synthetic import SUMMARY_INSTRUCTION
 from pipeline.job_config import FaultConfig, JobConfig
+from pipeline.storage import is_uri
 
 DESCRIPTIONS = {
     "longdoc_qa": "Answer questions about long documents with a compressed KV cache, on Ray.",
@@ -64,8 +65,10 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML file with JobConfig settings (flags given here override it)")
     io = p.add_argument_group("input and output")
-    io.add_argument("--input", help="Parquet file/dir, JSONL, save_to_disk dir or hub dataset (default: built-in samples)")
-    io.add_argument("--output", help="output directory (default: a new outputs/<job>-<timestamp>/); rerun into it to resume")
+    io.add_argument("--input", help="Parquet file/dir, JSONL, save_to_disk dir, hub dataset, or an s3:// / gs:// URI "
+                    "of Parquet or JSONL (default: built-in samples)")
+    io.add_argument("--output", help="output directory or s3:// / gs:// prefix (default: a new "
+                    "outputs/<job>-<timestamp>/); rerun into it to resume")
     io.add_argument("--split", help="split of a datasets directory or hub dataset")
     io.add_argument("--dataset-config", help="hub dataset configuration name")
     io.add_argument("--sample-docs", type=int, help="built-in samples: number of documents")
@@ -173,7 +176,8 @@ def config_from_args(job: str, argv: list[str] | None = None) -> JobConfig:
     layered = _merge(layered, _layer(typed))
     if not layered.get("output"):
         layered["output"] = str(default_output(job))
-    if not Path(layered["output"]).is_absolute() and "working_dir_files" in os.getcwd():
+    if (not is_uri(str(layered["output"])) and not Path(layered["output"]).is_absolute()
+            and "working_dir_files" in os.getcwd()):
         print(f"warning: --output {layered['output']} is relative and this runs inside Ray's temporary copy of "
               f"the working dir ({os.getcwd()}); pass an absolute path on storage that outlives the job",
               file=sys.stderr)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from pipeline.data.normalise import check_duplicate_ids, normalise_batch
 from pipeline.data.schema import DOCUMENT_SCHEMA, SCHEMA_VERSION
@@ -68,6 +69,7 @@ from pipeline.distributed.rundir import (  # noqa: F401 - re-exported: JobConfig
     new_run_id,
 )
 from pipeline.job_config import JobConfig
+from pipeline.storage import Location, StorageError, resolve
 from pipeline.summary import RunSummary, format_summary, summarize
 
 logger = logging.getLogger(__name__)
@@ -83,9 +85,9 @@ class JobFailed(RuntimeError):
 @dataclass
 class RunResult:
     run_id: str
-    output_dir: Path
-    data_dir: Path
-    manifest_path: Path
+    output_dir: Path | str  # Path for a local output, the URI string on object storage
+    data_dir: Path | str
+    manifest_path: Path | str
     docs_input: int | None  # None when normalised in Ray (count not known up front)
     docs_skipped: int
     docs_scheduled: int | None
@@ -132,27 +134,53 @@ def sample_documents(config: JobConfig) -> pa.Table:
     return pa.Table.from_pylist(docs, schema=DOCUMENT_SCHEMA)
 
 
-def _parquet_size(path: Path) -> int | None:
-    """Total size of a Parquet input, or None when the input is not Parquet."""
-    if path.is_file():
-        return path.stat().st_size if path.suffix in (".parquet", ".pq") else None
-    if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def _input_location(config: JobConfig) -> Location:
+    try:
+        return resolve(config.input)
+    except StorageError as exc:
+        raise JobConfigError("input", str(exc)) from exc
+
+
+def _parquet_size(location: Location) -> int | None:
+    """Total size of a Parquet input (file, directory or prefix), or None when it is not Parquet."""
+    try:
+        info = location.info()
+        if info.type == pafs.FileType.File:
+            return info.size if location.suffix in PARQUET_SUFFIXES else None
+        if info.type != pafs.FileType.Directory:
             return None
-        files = [p for p in path.rglob("*") if p.is_file() and p.suffix in (".parquet", ".pq")
-                 and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)]
-        return sum(p.stat().st_size for p in files) if files else None
-    return None
+        listed = location.files(recursive=True)
+    except OSError as exc:
+        raise JobConfigError("input", f"cannot access {location}: {exc}") from exc
+    if any(location.relative(i).as_posix() in ("dataset_info.json", "dataset_dict.json") for i in listed):
+        return None
+    files = [i for i in listed if i.extension in ("parquet", "pq")
+             and not any(part.startswith((".", "_")) for part in location.relative(i).parts)]
+    return sum(i.size or 0 for i in files) if files else None
+
+
+def _is_local_name(config: JobConfig) -> bool:
+    """A hub dataset name or a local path (sized without building a filesystem for names)."""
+    return not isinstance(config.input, str) or "://" not in config.input
 
 
 def choose_normalise(config: JobConfig) -> str:
+    if config.input is None:
+        if config.normalise == "ray":
+            raise JobConfigError("normalise", "'ray' needs a Parquet file or directory as input")
+        return "driver"
+    location = _input_location(config)
+    if _is_local_name(config) and not location.exists():
+        size = None  # a hub dataset name
+    else:
+        size = _parquet_size(location)
     if config.normalise != "auto":
-        if config.normalise == "ray" and (config.input is None or _parquet_size(Path(config.input).expanduser()) is None):
+        if config.normalise == "ray" and size is None:
             raise JobConfigError("normalise", "'ray' needs a Parquet file or directory as input")
         return config.normalise
-    if config.input is None:
-        return "driver"
-    size = _parquet_size(Path(config.input).expanduser())
     return "ray" if size is not None and size > DRIVER_NORMALISE_MAX_BYTES else "driver"
 
 
@@ -206,11 +234,12 @@ def check_ray_input(config: JobConfig) -> dict:
     """Schema-only checks for ``normalise="ray"``; returns the resolved column roles."""
     import pyarrow.dataset as pads
 
-    path = Path(config.input).expanduser()
+    location = _input_location(config)
     try:
-        schema = pads.dataset(str(path), format="parquet", ignore_prefixes=[".", "_"]).schema
+        schema = pads.dataset(location.path, filesystem=location.fs, format="parquet",
+                              ignore_prefixes=[".", "_"]).schema
     except (OSError, pa.ArrowInvalid) as exc:
-        raise JobConfigError("input", f"cannot read the Parquet schema of {path}: {exc}") from exc
+        raise JobConfigError("input", f"cannot read the Parquet schema of {location}: {exc}") from exc
     names = list(schema.names) + ([INSTRUCTION_COLUMN] if config.instruction is not None else [])
     mapping = _instruction_mapping(config) if config.instruction is not None else config.columns
     try:
@@ -295,9 +324,9 @@ def build_dataset(config: JobConfig, docs: pa.Table | None, done: dict[str, list
         # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
         ds = ray.data.from_blocks(blocks) if hasattr(ray.data, "from_blocks") else ray.data.from_arrow(blocks)
     else:
-        path = str(Path(config.input).expanduser())
+        location = _input_location(config)
         cols = check_ray_input(config)
-        ds = ray.data.read_parquet(path, file_extensions=["parquet", "pq"])
+        ds = ray.data.read_parquet(location.path, filesystem=location.fs, file_extensions=["parquet", "pq"])
         mapping = config.columns
         if config.instruction is not None:
             ds = ds.map_batches(add_instruction_column, fn_kwargs={"instruction": config.instruction},
@@ -341,7 +370,7 @@ def build_dataset(config: JobConfig, docs: pa.Table | None, done: dict[str, list
 def _finish_manifest_quickly(out: OutputDir, manifest: dict, run: dict, exc: BaseException, status: str) -> None:
     run.update({"status": status, "ended_at": _now(), "error": f"{type(exc).__name__}: {exc}"[:4000]})
     manifest["updated_at"] = _now()
-    _write_json(out.manifest_path, manifest)
+    _write_json(out.manifest_location, manifest)
 
 
 def run_job(config: JobConfig, *, echo: bool = True) -> RunResult:
@@ -372,17 +401,17 @@ def run_job(config: JobConfig, *, echo: bool = True) -> RunResult:
 
 def _run_locked(config, out: OutputDir, manifest, docs, mode, run_id, t0, echo) -> RunResult:
     manifest = out.check(config)  # again, now that no other run can change the directory
-    out.data.mkdir(parents=True, exist_ok=True)
-    debris = sink.remove_debris(out.data)
+    out.data_location.makedirs()
+    debris = sink.remove_debris(out.data_location)
     if manifest is None:
         manifest = {
-            "schema_version": SCHEMA_VERSION, "job": config.job, "output": str(out.path), "data": DATA_DIR,
+            "schema_version": SCHEMA_VERSION, "job": config.job, "output": out.location.uri, "data": DATA_DIR,
             "identity": config.identity(), "fingerprint": config.fingerprint(), "created_at": _now(), "runs": [],
         }
     for old in manifest["runs"]:
         if old.get("status") == "running":  # its driver died without updating the manifest
             old["status"] = "interrupted"
-    committed = sink.committed_state(out.data)
+    committed = sink.committed_state(out.data_location)
     state = committed.succeeded if config.retry_errors else committed.answered
 
     expected_keys: set[tuple[str, str]] | None = None
@@ -404,7 +433,7 @@ def _run_locked(config, out: OutputDir, manifest, docs, mode, run_id, t0, echo) 
     }
     manifest["runs"].append(run)
     manifest["updated_at"] = _now()
-    _write_json(out.manifest_path, manifest)
+    _write_json(out.manifest_location, manifest)
 
     ray_info: dict = {}
     error: BaseException | None = None
@@ -424,7 +453,7 @@ def _run_locked(config, out: OutputDir, manifest, docs, mode, run_id, t0, echo) 
                             "actors": [config.min_actors, config.max_actors]}
                 done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
                 ds = build_dataset(config, docs, done, run_id, cpus)
-                ds.write_datasink(sink.AtomicParquetDatasink(out.data, run_id, config.rows_per_file),
+                ds.write_datasink(sink.AtomicParquetDatasink(out.data_location, run_id, config.rows_per_file),
                                   ray_remote_args={"num_cpus": 0})
             finally:
                 if started_here:
@@ -438,14 +467,14 @@ def _run_locked(config, out: OutputDir, manifest, docs, mode, run_id, t0, echo) 
             _finish_manifest_quickly(out, manifest, run, exc, "interrupted")
             raise
 
-    removed = sink.dedupe(out.data, run_id)
-    final = sink.committed_state(out.data)
+    removed = sink.dedupe(out.data_location, run_id)
+    final = sink.committed_state(out.data_location)
     missing = None
     if expected_keys is not None:
         missing = sum(1 for d, q in expected_keys if q not in final.answered.get(d, ()))
-    this_run = sink.read_committed(out.data, run_id)
+    this_run = sink.read_committed(out.data_location, run_id)
     wall = time.perf_counter() - t0
-    summary = summarize(this_run, wall, str(out.data), config.compression.query_aware, rows_skipped=committed.rows)
+    summary = summarize(this_run, wall, out.data_location.uri, config.compression.query_aware, rows_skipped=committed.rows)
     devices = sorted({d for d in this_run.column("device").to_pylist() if d})
     run.update({
         "status": "failed" if error is not None else "completed", "ended_at": _now(), "wall_s": round(wall, 3),
@@ -458,17 +487,17 @@ def _run_locked(config, out: OutputDir, manifest, docs, mode, run_id, t0, echo) 
     manifest["updated_at"] = _now()
     manifest["totals"] = {"rows": final.rows, "docs": len(final.answered),
                           "rows_with_error": final.rows - sum(len(v) for v in final.succeeded.values())}
-    _write_json(out.manifest_path, manifest)
+    _write_json(out.manifest_location, manifest)
     if error is not None:
         detail = str(error).strip().splitlines()
         raise JobFailed(
             f"run {run_id} failed after committing {this_run.num_rows} rows ({type(error).__name__}: "
-            f"{' '.join(detail[:3])[:600]}); details in {out.manifest_path}; rerun the same command to resume"
+            f"{' '.join(detail[:3])[:600]}); details in {out.manifest_location}; rerun the same command to resume"
         ) from error
     if echo:
         print(format_summary(summary, f"{config.job} run {run_id}"), flush=True)
         if missing:
-            print(f"WARNING: {missing} expected rows are missing from {out.data}", flush=True)
+            print(f"WARNING: {missing} expected rows are missing from {out.data_location}", flush=True)
     return RunResult(
         run_id=run_id, output_dir=out.path, data_dir=out.data, manifest_path=out.manifest_path,
         docs_input=docs_input, docs_skipped=docs_skipped or 0, docs_scheduled=docs_scheduled,

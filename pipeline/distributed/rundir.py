@@ -1,5 +1,12 @@
 """The output directory of a job: its lock, its manifest and the facts a manifest records
-(versions, host, GPUs). Split from :mod:`pipeline.distributed.driver`, which drives the run."""
+(versions, host, GPUs). Split from :mod:`pipeline.distributed.driver`, which drives the run.
+
+The directory is a local path or an object-storage prefix (``s3://``, ``gs://``; see
+:mod:`pipeline.storage`). The manifest is replaced atomically on both. The run lock (``OUT/.lock``,
+an ``flock``) exists only on local filesystems: object stores offer no lock, so two jobs started at
+the same moment into the same prefix are not stopped; they still lose no rows (the sink's names are
+per run, and the next run's dedupe keeps one row per key), but they do the work twice.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +18,14 @@ import os
 import platform
 import socket
 import sys
+import logging
 import uuid
-from pathlib import Path
 
 from pipeline.data.schema import SCHEMA_VERSION
 from pipeline.job_config import JobConfig, identity_differences
+from pipeline.storage import Location, StorageError, resolve
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 DATA_DIR = "data"
@@ -41,10 +51,8 @@ def new_run_id() -> str:
     return _dt.datetime.now().strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:6]}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+def _write_json(location: Location, data: dict) -> None:
+    location.write_bytes((json.dumps(data, indent=2, default=str) + "\n").encode())
 
 
 def _versions() -> dict:
@@ -85,52 +93,79 @@ def _cluster_gpus() -> list[dict]:
 class OutputDir:
     """The output directory: manifest, lock and committed data (see module docstring)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path).expanduser().absolute()
-        self.data = self.path / DATA_DIR
-        self.manifest_path = self.path / MANIFEST
+    def __init__(self, path) -> None:
+        try:
+            self.location = resolve(path)
+        except StorageError as exc:
+            raise JobConfigError("output", str(exc)) from exc
+        self.data_location = self.location.child(DATA_DIR)
+        self.manifest_location = self.location.child(MANIFEST)
         self._lock_handle = None
 
+    # Path for local directories, the URI string on object storage
+    @property
+    def path(self):
+        return self.location.native()
+
+    @property
+    def data(self):
+        return self.data_location.native()
+
+    @property
+    def manifest_path(self):
+        return self.manifest_location.native()
+
     def load_manifest(self) -> dict | None:
-        if not self.manifest_path.is_file():
-            return None
         try:
-            return json.loads(self.manifest_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise JobConfigError("output", f"{self.manifest_path} is unreadable ({exc}); use a new output directory") from exc
+            if not self.manifest_location.is_file():
+                return None
+            return json.loads(self.manifest_location.read_bytes())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise JobConfigError(
+                "output", f"{self.manifest_location} is unreadable ({exc}); use a new output directory") from exc
 
     def check(self, config: JobConfig) -> dict | None:
         """Refuse directories this configuration must not write into; returns the manifest."""
-        if self.path.exists() and not self.path.is_dir():
-            raise JobConfigError("output", f"{self.path} is a file; the output must be a directory")
-        manifest = self.load_manifest()
+        try:
+            self.location.check_bucket()
+            if self.location.is_file():
+                raise JobConfigError("output", f"{self.location} is a file; the output must be a directory")
+            manifest = self.load_manifest()
+            entries = self.location.entries() if manifest is None else []
+        except OSError as exc:  # object storage: no such bucket, no credentials, no network (FileNotFoundError too)
+            raise JobConfigError("output", f"cannot access {self.location}: {exc}") from exc
         if manifest is None:
-            if self.path.is_dir() and any(p.name != DATA_DIR and not p.name.startswith(".") for p in self.path.iterdir()):
+            names = [e.base_name for e in entries]
+            if any(name != DATA_DIR and not name.startswith(".") for name in names):
                 raise JobConfigError(
-                    "output", f"{self.path} is not empty and holds no {MANIFEST} of this pipeline; "
+                    "output", f"{self.location} is not empty and holds no {MANIFEST} of this pipeline; "
                     "choose a new or empty directory")
             return None
         if manifest.get("schema_version") != SCHEMA_VERSION:
             raise JobConfigError(
-                "output", f"{self.path} holds results of output schema version {manifest.get('schema_version')}, "
+                "output", f"{self.location} holds results of output schema version {manifest.get('schema_version')}, "
                 f"this pipeline writes version {SCHEMA_VERSION}; use a new output directory")
         diffs = identity_differences(manifest.get("identity", {}), config.identity())
         if diffs:
             raise JobConfigError(
-                "output", f"{self.path} holds results of a different configuration ({'; '.join(diffs[:6])}); "
+                "output", f"{self.location} holds results of a different configuration ({'; '.join(diffs[:6])}); "
                 "rerun with the same settings to resume, or choose a new output directory")
         return manifest
 
     def lock(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path / LOCK, "a+")
+        if not self.location.is_local:
+            logger.warning("%s is on object storage, which has no locks: do not start a second run into it "
+                           "until this one ends", self.location)
+            return
+        self.location.makedirs()
+        handle = open(os.path.join(self.location.path, LOCK), "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip()
             handle.close()
-            raise JobConfigError("output", f"another run is writing to {self.path} ({holder or 'lock held'})") from None
+            raise JobConfigError("output", f"another run is writing to {self.location} ({holder or 'lock held'})") from None
         handle.seek(0), handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         handle.flush()
@@ -141,6 +176,3 @@ class OutputDir:
             fcntl.flock(self._lock_handle, fcntl.LOCK_UN)
             self._lock_handle.close()
             self._lock_handle = None
-
-
-# ---------------------------------------------------------------------- input

@@ -2,9 +2,12 @@
 
 Layout of ``OUT/data/``:
 
-* ``part-<run_id>-<digest>.parquet``: committed files. Each is written completely under a hidden
-  temporary name (``.tmp-...``) in the same directory, flushed to disk and then renamed, so a file
-  with a committed name is always whole. ``<digest>`` hashes the (doc_id, question_id) keys the file
+* ``part-<run_id>-<digest>.parquet``: committed files. On a local filesystem each is written
+  completely under a hidden temporary name (``.tmp-...``) in the same directory, flushed to disk and
+  then renamed, so a file with a committed name is always whole. On object storage (``s3://``,
+  ``gs://``; see :mod:`pipeline.storage`) the file is uploaded under its final key in one request:
+  an object appears whole when its upload completes, or not at all (an upload killed part-way is
+  invisible and never becomes an object), so no temporary name is needed. ``<digest>`` hashes the (doc_id, question_id) keys the file
   holds, so a write task that Ray retries after it already committed replaces its own file instead
   of adding a second copy.
 * ``.tmp-*``: a write in progress, or debris of a write killed part-way. Readers ignore names
@@ -33,6 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
+from pipeline.storage import Location, resolve
 
 try:  # Ray is needed only for the datasink; the bookkeeping below is plain pyarrow.
     from ray.data import Datasink
@@ -71,21 +75,27 @@ def key_digest(table: pa.Table) -> str:
     return h.hexdigest()[:20]
 
 
-def commit_table(table: pa.Table, data_dir: Path, run_id: str) -> Path:
-    """Write ``table`` as one committed file (temporary name, fsync, rename); returns its path."""
+def commit_table(table: pa.Table, data_dir: str | os.PathLike | Location, run_id: str) -> Location:
+    """Write ``table`` as one committed file (see the module docstring); returns its location."""
+    data = resolve(data_dir)
     table = conform(table)
-    final = data_dir / f"{PART_PREFIX}{run_id}-{key_digest(table)}.parquet"
-    tmp = data_dir / f"{TMP_PREFIX}{final.stem}-{uuid.uuid4().hex[:8]}.parquet"
+    final = data.child(f"{PART_PREFIX}{run_id}-{key_digest(table)}.parquet")
+    if not data.is_local:
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        final.write_bytes(sink.getvalue().to_pybytes())
+        return final
+    tmp = Path(data.path) / f"{TMP_PREFIX}{Path(final.path).stem}-{uuid.uuid4().hex[:8]}.parquet"
     try:
         with open(tmp, "wb") as handle:
             pq.write_table(table, handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, final)
+        os.replace(tmp, final.path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    _fsync_dir(data_dir)
+    _fsync_dir(Path(data.path))
     return final
 
 
@@ -95,16 +105,17 @@ class AtomicParquetDatasink(Datasink):
     ``supports_distributed_writes`` is False: write tasks run on the driver's node, so ``OUT`` may
     be a local directory of the machine the driver runs on (with ``ray job submit``, the head) and
     the files are where the next run looks for them. Results are small (text and numbers), so
-    moving them to one node costs little next to generation.
+    moving them to one node costs little next to generation. ``data_dir`` travels as text (a path
+    or URI) and is resolved where the write runs, with that process's credentials.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, run_id: str, rows_per_file: int = 64) -> None:
-        self.data_dir = str(data_dir)
+    def __init__(self, data_dir: str | os.PathLike | Location, run_id: str, rows_per_file: int = 64) -> None:
+        self.data_dir = data_dir.uri if isinstance(data_dir, Location) else str(data_dir)
         self.run_id = run_id
         self.rows_per_file = rows_per_file
 
     def on_write_start(self, schema=None) -> None:
-        Path(self.data_dir).mkdir(parents=True, exist_ok=True)
+        resolve(self.data_dir).makedirs()
 
     def write(self, blocks: Iterable, ctx) -> list[dict]:
         tables = [BlockAccessor.for_block(block).to_arrow() for block in blocks]
@@ -112,7 +123,7 @@ class AtomicParquetDatasink(Datasink):
         if not tables:
             return []
         table = pa.concat_tables([conform(t) for t in tables])
-        path = commit_table(table, Path(self.data_dir), self.run_id)
+        path = commit_table(table, resolve(self.data_dir), self.run_id)
         return [{"file": path.name, "rows": table.num_rows}]
 
     @property
@@ -128,32 +139,32 @@ class AtomicParquetDatasink(Datasink):
 
 
 # ---------------------------------------------------------------------- bookkeeping (driver)
-def committed_files(data_dir: Path) -> list[Path]:
+def committed_files(data_dir: str | os.PathLike | Location) -> list[Location]:
     """Committed result files, oldest first (modification time, then name)."""
-    if not data_dir.is_dir():
-        return []
-    files = [p for p in data_dir.glob(f"{PART_PREFIX}*.parquet") if p.is_file()]
-    return sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    data = resolve(data_dir)
+    files = [i for i in data.files() if i.base_name.startswith(PART_PREFIX) and i.base_name.endswith(".parquet")]
+    files.sort(key=lambda i: (i.mtime_ns or 0, i.base_name))
+    return [data.at(i) for i in files]
 
 
-def remove_debris(data_dir: Path) -> int:
-    """Delete temporary files left by killed writes (call only while holding the output lock)."""
-    if not data_dir.is_dir():
-        return 0
-    debris = [p for p in data_dir.glob(f"{TMP_PREFIX}*") if p.is_file()]
-    for path in debris:
-        path.unlink(missing_ok=True)
+def remove_debris(data_dir: str | os.PathLike | Location) -> int:
+    """Delete temporary files left by killed writes (call only while holding the output lock).
+    Object storage has none: an interrupted upload never becomes an object."""
+    data = resolve(data_dir)
+    debris = [data.at(i) for i in data.files() if i.base_name.startswith(TMP_PREFIX)]
+    for location in debris:
+        location.delete()
     return len(debris)
 
 
 KEY_COLUMNS = ["doc_id", "question_id", "error"]
 
 
-def read_keys(data_dir: Path) -> pa.Table:
+def read_keys(data_dir: str | os.PathLike | Location) -> pa.Table:
     """(doc_id, question_id, error, file index) of every committed row."""
     parts = []
-    for index, path in enumerate(committed_files(data_dir)):
-        table = pq.read_table(path, columns=KEY_COLUMNS)
+    for index, location in enumerate(committed_files(data_dir)):
+        table = pq.read_table(location.path, columns=KEY_COLUMNS, filesystem=location.fs)
         parts.append(table.append_column("file", pa.array([index] * table.num_rows, pa.int32())))
     if not parts:
         return pa.table({"doc_id": pa.array([], pa.string()), "question_id": pa.array([], pa.string()),
@@ -174,7 +185,7 @@ class Committed:
         return have is not None and set(question_ids) <= have
 
 
-def committed_state(data_dir: Path) -> Committed:
+def committed_state(data_dir: str | os.PathLike | Location) -> Committed:
     keys = read_keys(data_dir)
     answered: dict[str, set[str]] = defaultdict(set)
     succeeded: dict[str, set[str]] = defaultdict(set)
@@ -185,13 +196,14 @@ def committed_state(data_dir: Path) -> Committed:
     return Committed(dict(answered), dict(succeeded), keys.num_rows)
 
 
-def dedupe(data_dir: Path, run_id: str) -> int:
+def dedupe(data_dir: str | os.PathLike | Location, run_id: str) -> int:
     """Keep one row per (doc_id, question_id); returns the number of rows removed.
 
     The kept row is the first committed one without ``error``, else the first committed one. Files
     losing rows are rewritten under a new committed name (atomic), then the old file is deleted;
     a crash in between leaves duplicates that the next run removes, never a loss.
     """
+    data_dir = resolve(data_dir)
     files = committed_files(data_dir)
     keys = read_keys(data_dir)
     if keys.num_rows == 0:
@@ -215,29 +227,30 @@ def dedupe(data_dir: Path, run_id: str) -> int:
             drop[file].add(pos)
     removed = 0
     for file, positions in drop.items():
-        path = files[file]
-        table = pq.read_table(path)
+        location = files[file]
+        table = pq.read_table(location.path, filesystem=location.fs)
         mask = pa.array([i not in positions for i in range(table.num_rows)])
         kept = table.filter(mask)
         removed += table.num_rows - kept.num_rows
         if kept.num_rows:
             new = commit_table(kept, data_dir, run_id)
-            if new != path:
-                path.unlink(missing_ok=True)
+            if new != location:
+                location.delete()
         else:
-            path.unlink(missing_ok=True)
-    if removed:
-        _fsync_dir(data_dir)
+            location.delete()
+    if removed and data_dir.is_local:
+        _fsync_dir(Path(data_dir.path))
     return removed
 
 
-def read_committed(data_dir: Path, run_id: str | None = None) -> pa.Table:
+def read_committed(data_dir: str | os.PathLike | Location, run_id: str | None = None) -> pa.Table:
     """All committed rows (optionally only those of one run) as an output-schema table."""
     import pyarrow.dataset as pads
 
-    files = [str(p) for p in committed_files(data_dir)]
-    if not files:
+    locations = committed_files(data_dir)
+    if not locations:
         return OUTPUT_SCHEMA.empty_table()
-    dataset = pads.dataset(files, schema=OUTPUT_SCHEMA, format="parquet")
+    dataset = pads.dataset([loc.path for loc in locations], schema=OUTPUT_SCHEMA, format="parquet",
+                           filesystem=locations[0].fs)
     table = dataset.to_table(filter=None if run_id is None else pc.field("run_id") == run_id)
     return conform(table)

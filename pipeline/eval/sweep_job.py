@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from: {', '.join(METHODS)}")
     p.add_argument("--cache-sizes", default="0.2,0.4,1.0", help="kept fractions; 1.0 adds the full-cache reference")
     p.add_argument("--max-new-tokens", type=int, default=24, help="cap on RULER's per-task generation length")
-    p.add_argument("--output", required=True, help="output directory (rerun into it to resume)")
+    p.add_argument("--output", required=True,
+                   help="output directory or s3:// / gs:// prefix (rerun into it to resume)")
+    p.add_argument("--report-dir", default=None,
+                   help="local directory for report.md and plots (default: --output; required when it is a URI)")
     p.add_argument("--num-actors", type=int, default=1)
     p.add_argument("--cpus-per-actor", type=float, default=None)
     p.add_argument("--gpus-per-actor", type=float, default=0.0)
@@ -63,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.loading import ModelNotFoundError, resolve_model_path
     from ..job_config import JobConfig
     from ..report import build_report
+    from ..storage import is_uri
 
     args = build_parser().parse_args(argv)
+    if args.report_dir is None and is_uri(args.output):
+        _fail("invalid report_dir: --output is a URI; give --report-dir, a local directory for the report")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         sizes = [float(x) for x in args.cache_sizes.split(",") if x.strip()]
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(docs)} documents x {len(settings)} settings ({', '.join(f'{s.method}@{s.cache_size:g}' for s in settings)})")
     try:
         config = JobConfig(
-            job="eval_compression", input=str(inputs), output=Path(args.output), model=model,
+            job="eval_compression", input=str(inputs), output=args.output, model=model,
             compression=settings[0], sweep=settings,
             generation=GenerationConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size),
             min_actors=args.num_actors, max_actors=args.num_actors,
@@ -113,6 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     except JobFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    report = build_report([Path(args.output)], Path(args.output))
+    report = build_report([args.output], Path(args.report_dir or args.output))
     print(f"report: {report}")
     return 0

@@ -5,16 +5,20 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
+from pipeline.storage import is_uri
+
 from . import plots, tables
 
 
-def build_report(inputs: list[Path], out_dir: Path) -> Path:
-    """Read every result row under ``inputs``, write ``out_dir/report.md`` and PNGs; return the md path."""
+def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
+    """Read every result row under ``inputs`` (local paths or ``s3://`` / ``gs://`` URIs of job
+    outputs), write ``out_dir/report.md`` and PNGs (a local directory); return the md path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    perturbation_files = [Path(p) / "perturbation.parquet" for p in inputs if (Path(p) / "perturbation.parquet").is_file()]
-    perturbation_files += [Path(p) for p in inputs if Path(p).name == "perturbation.parquet"]
-    result_inputs = [Path(p) for p in inputs if Path(p).name != "perturbation.parquet" and _has_results(Path(p))]
+    local = [Path(p) for p in inputs if not is_uri(p)]
+    perturbation_files = [p / "perturbation.parquet" for p in local if (p / "perturbation.parquet").is_file()]
+    perturbation_files += [p for p in local if p.name == "perturbation.parquet"]
+    result_inputs = [p for p in inputs if (is_uri(p) or Path(p).name != "perturbation.parquet") and tables.result_files(p)]
     table = tables.read_outputs(result_inputs) if result_inputs else None
     parts = [f"# Report\n\nGenerated {dt.datetime.now().isoformat(timespec='seconds')} from "
              f"{', '.join(str(p) for p in inputs)}.\n"]
@@ -47,13 +51,6 @@ def build_report(inputs: list[Path], out_dir: Path) -> Path:
     path = out_dir / "report.md"
     path.write_text("\n".join(parts))
     return path
-
-
-def _has_results(path: Path) -> bool:
-    if path.is_file():
-        return path.suffix == ".parquet"
-    root = path / "data" if (path / "data").is_dir() else path
-    return any(p.name != "perturbation.parquet" for p in root.rglob("*.parquet"))
 
 
 def _perturbation_section(files: list[Path], out_dir: Path) -> list[str]:

@@ -14,23 +14,32 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.storage import Location, resolve
+
 FULL = "none"
 
 
-def read_outputs(paths: list[Path]) -> pa.Table:
+def result_files(path: str | Path) -> list[Location]:
+    """The result Parquet files of a job output directory (its ``data/`` folder), a folder of
+    Parquet files or one file; local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipeline.storage`)."""
+    location = resolve(path)
+    if location.is_file():
+        return [location] if location.suffix == ".parquet" else []
+    data = location.child("data")
+    root = data if data.is_dir() else location
+    files = [root.at(i) for i in root.files(recursive=True) if i.extension == "parquet"
+             and not any(part.startswith((".", "_")) for part in root.relative(i).parts)]
+    return sorted((f for f in files if f.name != "perturbation.parquet"), key=lambda f: f.uri)
+
+
+def read_outputs(paths: list[str | Path]) -> pa.Table:
     """All result rows under the given output directories (their ``data/`` folders) or files."""
     tables = []
     for path in paths:
-        path = Path(path)
-        if path.is_file():
-            files = [path]
-        else:
-            root = path / "data" if (path / "data").is_dir() else path
-            files = sorted(p for p in root.rglob("*.parquet") if not p.name.startswith((".", "_")))
-            files = [p for p in files if p.name != "perturbation.parquet"]
+        files = result_files(path)
         if not files:
             raise FileNotFoundError(f"no result Parquet files under {path}")
-        tables += [pq.read_table(f) for f in files]
+        tables += [pq.read_table(f.path, filesystem=f.fs) for f in files]
     return pa.concat_tables(tables, promote_options="default")
 
 

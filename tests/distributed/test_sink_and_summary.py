@@ -19,7 +19,7 @@ def _rows(*keys, error=None, run="r"):
 
 
 def _bump_mtime(path, seconds):
-    stat = path.stat()
+    stat = os.stat(path)  # a local Location is os.PathLike
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + int(seconds * 1e9)))
 
 

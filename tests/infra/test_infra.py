@@ -557,9 +557,6 @@ def test_readme_job_commands_use_accepted_flags():
         assert namespace is not None, f"{command}: {message}"
 
 
-@pytest.mark.xfail(reason="pipeline.job_config treats --input/--output as local paths (Path(), exists checks, "
-                          "atomic local renames); issue 8 asks for s3:// and gs:// URIs through pyarrow's "
-                          "filesystems. Remove this mark when the job config keeps URIs intact.", strict=False)
 def test_rayjob_object_storage_uris_reach_the_job_config():
     cli = pytest.importorskip("pipeline.distributed.cli")
     for entrypoint in _rayjob_entrypoints(_load_k8s_docs()):
