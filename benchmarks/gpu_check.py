@@ -8,12 +8,16 @@ Run by ``benchmarks/gpu_check.sh`` (which first runs the compression tests on CU
 What it measures, with CUDA-synchronised timing (``torch.cuda.synchronize`` before every clock
 read) and methods interleaved within each repeat (medians):
 
-- prefill time (context prefill + compression) of ``none`` / ``snapkv`` / ``criticalkv-snapkv``,
+- prefill time (context prefill + compression) of ``none`` / ``snapkv`` / ``criticalkv-snapkv`` /
+  ``criticalkv-adakv-snapkv`` (ragged per-head budgets: its decode reads the variable-length store
+  through the varlen kernel, the uniform ones through a zero-copy dense view),
   driven exactly like ``benchmarks/common.py`` drives it: ``VarLenCache`` + ``Compressor`` + the
   attention function from ``pipeline.kv.attention.register``; one ``Compressor`` per method reused
   across repeats, as an engine does;
 - decode ms/token after that prefill (fixed input token, after warm-up steps): the full cache
-  (``none``) against the 20 % caches;
+  (``none``) against the 20 % caches, and which attention path the decode took
+  (``VarLenCache.kernels_used``: ``dense-sdpa``, ``flash``, ``sdpa`` or ``reference``; force one with
+  ``CRITICALKV_VARLEN_KERNEL``);
 - kept KV bytes (``VarLenCache.nbytes()``, entries plus positions and segment tables) against the
   bytes of a full bf16 cache, and peak memory (``torch.cuda.max_memory_allocated``) during prefill
   and during decode, weights included.
@@ -50,7 +54,7 @@ LLAMA_31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=3
                    intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072)
 SMOKE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=256, vocab_size=1024, max_position_embeddings=4096)
-METHODS = ("none", "snapkv", "criticalkv-snapkv")
+METHODS = ("none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv")
 
 
 # ------------------------------------------------------------------ timing and memory
@@ -235,6 +239,7 @@ def run(args) -> dict:
                         reset_peak(device)
                         c["decode_ms"] = decode_ms_per_token(model, cache, n, args.decode_steps, args.decode_warmup, device)
                         c["peak_decode"] = peak_bytes(device)
+                        c["kernel"] = ",".join(sorted(cache.kernels_used))
                 except Exception as exc:
                     c["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
                     if not _is_oom(exc) and args.raise_errors:
@@ -294,8 +299,8 @@ def markdown(result: dict) -> str:
         f"flash-attn {info['flash_attn'] or 'not installed'}; medians of {info['repeats']} interleaved prefills, "
         f"decode median of {info['decode_steps']} steps; total {info['elapsed_s']:.0f} s.",
         "",
-        "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | status |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | decode kernel | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | status |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         snap = by.get((r["tokens"], "snapkv"), {})
@@ -309,7 +314,7 @@ def markdown(result: dict) -> str:
         compress = r.get("compress_median_s")
         cells = [
             str(r["tokens"]), r["method"], r["cache"], _num(p, ".3f"), ratio, _num(compress, ".3f"),
-            _num(d, ".1f"), dratio, _num(kept / 2**20 if kept else None, ".1f"), kept_ratio,
+            _num(d, ".1f"), dratio, r.get("kernel") or "—", _num(kept / 2**20 if kept else None, ".1f"), kept_ratio,
             _gib(r.get("peak_prefill")), _gib(r.get("peak_decode")), r["status"],
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -9,7 +9,10 @@ Life of a batch (driven by :class:`pipeline.engine.Engine`):
    an exactly-sized :class:`~pipeline.kv.storage.VarLenLayer`. The dense K/V of the layer are
    dropped when the layer returns, so peak memory is the compressed cache + one layer's full K/V.
 2. Later chunks (question tokens, then one token per decode step): ``update`` appends to every
-   segment, :meth:`attend` runs attention over the variable-length segments.
+   segment, :meth:`attend` runs attention over the variable-length segments with the kernel
+   :func:`~pipeline.kv.varlen_kernels.choose_kernel` picks (fp32 reference on CPU, flash-attn's
+   varlen kernel or SDPA on CUDA). A decode step over a uniform, padding-free cache (uniform
+   budgets) skips all of that: SDPA reads a zero-copy (B, H_kv, L, D) view of the store.
 3. Optional decode-time cap (``max_cache_tokens``): after each later chunk, segments longer than
    the cap evict their lowest ``accumulated attention x projected value norm`` entries (H2O-style
    accumulation, CriticalKV's norm), never the most recent ``window`` tokens.
@@ -22,9 +25,11 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from .attention import dense_prefill_attention, varlen_attention
+from .varlen_kernels import choose_kernel, flash_varlen_attention, sdpa_varlen_attention
 from .compress import Compressor
 from .storage import VarLenLayer
 
@@ -45,6 +50,8 @@ class VarLenCache(Cache):
         self.store: list[VarLenLayer | None] = [None] * num_layers
         self.compress_seconds = 0.0
         self._chunk_pos: torch.Tensor | None = None
+        self._chunk_padding = False
+        self.kernels_used: set[str] = set()  # attention paths taken after the prefill (diagnostics)
         self._query_pos: torch.Tensor | None = None
         self._appended: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._snapshot: object | None = None
@@ -68,6 +75,7 @@ class VarLenCache(Cache):
         first = torch.where(real, positions, torch.full_like(positions, big)).min(-1, keepdim=True).values
         first = torch.where(first == big, torch.zeros_like(first), first)
         self._chunk_pos = positions
+        self._chunk_padding = not bool(real.all())
         self._query_pos = torch.where(real, positions, (first - 1).clamp(min=0).expand_as(positions))
 
     @property
@@ -79,7 +87,7 @@ class VarLenCache(Cache):
         """Called by the attention module with post-RoPE K/V (B, H_kv, T, D)."""
         layer = self.store[layer_idx]
         if layer is not None:
-            layer.append(key_states, value_states, self._chunk_pos)
+            layer.append(key_states, value_states, self._chunk_pos, has_padding=self._chunk_padding)
             self._appended[layer_idx] = (key_states, value_states)
         return key_states, value_states
 
@@ -117,11 +125,26 @@ class VarLenCache(Cache):
             else:
                 self._compress(idx, module, query, key, value, scaling)
             return out
-        keys, values, key_pos = layer.padded_view()
         track = self.cap is not None
-        out, probs = varlen_attention(query, keys, values, key_pos, self._query_pos, scaling, return_probs=track)
-        if track:
-            self._apply_cap(idx, layer, probs)
+        kernel = choose_kernel(query, need_probs=track)
+        dense = layer.dense_view() if query.shape[2] == 1 and kernel != "flash" and not track else None
+        if dense is not None:
+            # one new token per row over a uniform, padding-free cache: every held entry precedes
+            # it, so no mask is needed and SDPA reads the store in place
+            kernel = "dense-sdpa"
+            out = F.scaled_dot_product_attention(query, dense[0].to(query.dtype), dense[1].to(query.dtype),
+                                                 scale=scaling, enable_gqa=True)
+        elif kernel == "flash":
+            out = flash_varlen_attention(query, layer, scaling)
+        else:
+            keys, values, key_pos = layer.padded_view()
+            if kernel == "sdpa":
+                out = sdpa_varlen_attention(query, keys, values, key_pos, self._query_pos, scaling)
+            else:
+                out, probs = varlen_attention(query, keys, values, key_pos, self._query_pos, scaling, return_probs=track)
+                if track:
+                    self._apply_cap(idx, layer, probs)
+        self.kernels_used.add(kernel)
         self._appended.pop(idx, None)
         return out
 

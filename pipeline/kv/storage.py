@@ -11,6 +11,12 @@ slots are reserved for it. Memory held is therefore the sum of kept entries (plu
 growth room was asked for), never a padded (B, H, max_len, D) rectangle and never a mask over
 the full cache. Order inside a segment does not matter for attention (keys are stored after
 RoPE), so eviction may reorder entries; original positions are kept alongside.
+
+Uniform layouts (uniform budgets, and every decode step after them) are tracked on the Python
+side: ``uniform`` is the common segment length when every segment has the same length and
+segments sit at ``s * uniform_capacity``, and ``padding_free`` says no live entry is a padding
+token. Then appends are strided slice copies and :meth:`dense_view` is a zero-copy
+(B, H, L, D) view that SDPA reads directly, with no per-step index arithmetic or host syncs.
 """
 
 from __future__ import annotations
@@ -43,6 +49,24 @@ class VarLenLayer:
         # optional per-entry statistics for the decode-time cap (same indexing as keys)
         self.acc_attention: torch.Tensor | None = None
         self.value_norm: torch.Tensor | None = None
+        self.uniform: int | None = None  # common segment length of a rectangular layout
+        self.uniform_capacity = 0
+        self.padding_free = False
+        self._refresh_layout()
+
+    def _refresh_layout(self) -> None:
+        """Recompute ``uniform`` / ``uniform_capacity`` / ``padding_free`` from the tensors (syncs)."""
+        self.uniform, self.uniform_capacity = None, 0
+        if self.length.numel() and self.is_rectangular():
+            length = int(self.length[0])
+            if bool((self.length == length).all()):
+                self.uniform, self.uniform_capacity = length, int(self.capacity[0])
+        if self.uniform is not None:
+            live = self.positions.view(self.num_segments, self.uniform_capacity)[:, : self.uniform]
+        else:
+            index, ok = self.padded_index()
+            live = self.positions[index][ok]
+        self.padding_free = not bool((live < 0).any())
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -100,6 +124,8 @@ class VarLenLayer:
         When a reallocation is needed, ``slack`` further slots per segment are added so that
         token-by-token appends do not reallocate at every step.
         """
+        if self.uniform is not None and self.uniform + extra <= self.uniform_capacity:
+            return
         need = self.length + extra
         if bool((need <= self.capacity).all()):
             return
@@ -128,6 +154,7 @@ class VarLenLayer:
                 setattr(self, name, new)
         self.keys, self.values, self.positions = keys, values, positions
         self.start, self.capacity = new_start, new_capacity.clone()
+        self._refresh_layout()
 
     def _segment_index(self, start: torch.Tensor) -> torch.Tensor:
         """Flat indices of the live entries of every segment, given segment starts."""
@@ -139,22 +166,41 @@ class VarLenLayer:
         offset = torch.arange(total, device=self.length.device) - first[seg]
         return start[seg] + offset
 
-    def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def append(
+        self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, has_padding: bool | None = None
+    ) -> torch.Tensor | None:
         """Append T new tokens to every segment of their row.
 
         key, value: (B, H, T, D); positions: (B, T) int (-1 marks padding, which is stored but
-        never attended to). Returns the flat indices (S, T) the tokens were written to.
+        never attended to); ``has_padding``: whether ``positions`` holds a -1 (computed when
+        None). Returns the flat indices (S, T) the tokens were written to, or None for a uniform
+        layout (where they are ``s * uniform_capacity + old length + arange(T)``).
         """
         bsz, heads, t, dim = key.shape
+        if has_padding is None:
+            has_padding = bool((positions < 0).any())
         self.reserve(t, slack=max(16, t))
+        pos = positions[:, None, :].expand(bsz, heads, t).to(torch.int32)
+        if self.uniform is not None:
+            cap, old = self.uniform_capacity, self.uniform
+            segments = self.num_segments
+            self.keys.view(segments, cap, dim)[:, old : old + t] = key.reshape(segments, t, dim)
+            self.values.view(segments, cap, dim)[:, old : old + t] = value.reshape(segments, t, dim)
+            self.positions.view(segments, cap)[:, old : old + t] = pos.reshape(segments, t)
+            if self.acc_attention is not None:
+                self.acc_attention.view(segments, cap)[:, old : old + t] = 0.0
+            self.uniform = old + t
+            self.length = self.length + t
+            self.padding_free = self.padding_free and not has_padding
+            return None
         idx = self.start[:, None] + self.length[:, None] + torch.arange(t, device=self.start.device)
         self.keys[idx.reshape(-1)] = key.reshape(-1, dim).to(self.keys.dtype)
         self.values[idx.reshape(-1)] = value.reshape(-1, dim).to(self.values.dtype)
-        pos = positions[:, None, :].expand(bsz, heads, t).reshape(-1).to(torch.int32)
-        self.positions[idx.reshape(-1)] = pos
+        self.positions[idx.reshape(-1)] = pos.reshape(-1)
         if self.acc_attention is not None:
             self.acc_attention[idx.reshape(-1)] = 0.0
         self.length = self.length + t
+        self.padding_free = self.padding_free and not has_padding
         return idx
 
     # ------------------------------------------------------------------ reading
@@ -166,13 +212,25 @@ class VarLenLayer:
         index = (self.start[:, None] + ar[None, :]).clamp(max=max(self.keys.shape[0] - 1, 0))
         return index, live
 
+    def dense_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Zero-copy keys, values (B, H, L, D) when the layout is uniform and padding-free, else None."""
+        if self.uniform is None or not self.padding_free:
+            return None
+        shape = (self.num_rows, self.num_heads, self.uniform_capacity, self.keys.shape[-1])
+        return self.keys.view(shape)[:, :, : self.uniform], self.values.view(shape)[:, :, : self.uniform]
+
     def padded_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values (S, L, D) and positions (S, L) (-1 where no live entry).
 
         Zero-copy when the layout is rectangular (uniform budgets); otherwise one gather.
         """
-        max_len = self.max_length
         dim = self.keys.shape[-1]
+        if self.uniform is not None:
+            cap, length = self.uniform_capacity, self.uniform
+            keys = self.keys.view(self.num_segments, cap, dim)[:, :length]
+            values = self.values.view(self.num_segments, cap, dim)[:, :length]
+            return keys, values, self.positions.view(self.num_segments, cap)[:, :length]
+        max_len = self.max_length
         if self.is_rectangular() and int(self.capacity[0]) >= max_len:
             cap = int(self.capacity[0])
             keys = self.keys.view(self.num_segments, cap, dim)[:, :max_len]
@@ -195,6 +253,7 @@ class VarLenLayer:
     def truncate(self, length: torch.Tensor) -> None:
         """Forget entries appended after a snapshot of ``length`` (no eviction happened since)."""
         self.length = length.clone()
+        self._refresh_layout()
 
     def compact(self, keep_live: torch.Tensor) -> None:
         """Keep only the live entries selected by ``keep_live`` ((S, L) bool over padded slots).
@@ -217,6 +276,7 @@ class VarLenLayer:
         self.start = torch.zeros_like(self.length)
         if self.length.numel() > 1:
             self.start[1:] = torch.cumsum(self.length, 0)[:-1]
+        self._refresh_layout()
 
     def clone(self) -> "VarLenLayer":
         copy = VarLenLayer(

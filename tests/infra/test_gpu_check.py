@@ -21,18 +21,19 @@ import gpu_check  # noqa: E402
 
 
 def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
-    rc = gpu_check.main(["--smoke", "--device", "cpu", "--lengths", "96", "--repeats", "1", "--decode-steps", "2",
+    rc = gpu_check.main(["--smoke", "--device", "cpu", "--lengths", "400", "--repeats", "1", "--decode-steps", "2",
                          "--decode-warmup", "1", "--out", str(tmp_path)])
     assert rc == 0
     table = capsys.readouterr().out
-    rows = [line for line in table.splitlines() if line.startswith("| 96 |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["none", "snapkv", "criticalkv-snapkv"]
+    rows = [line for line in table.splitlines() if line.startswith("| 400 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv"]
     assert all(r.rstrip().endswith("| ok |") for r in rows), table
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     by = {r["method"]: r for r in result["rows"]}
     assert by["none"]["kept_bytes"] >= by["none"]["full_bytes"]  # full cache + positions/segment tables
     assert by["criticalkv-snapkv"]["kept_bytes"] < 0.3 * by["criticalkv-snapkv"]["full_bytes"]
     assert all(r["decode_ms"] > 0 and r["prefill_median_s"] > 0 for r in result["rows"])
+    assert by["snapkv"]["kernel"] == "dense-sdpa" and by["criticalkv-adakv-snapkv"]["kernel"] == "reference"  # CPU
     assert (tmp_path / "gpu_check.md").read_text().strip() == table.strip()
 
 

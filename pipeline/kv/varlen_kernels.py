@@ -1,0 +1,142 @@
+"""Attention kernels over the variable-length cache: which one runs, and the two accelerator paths.
+
+The cache (:class:`~pipeline.kv.storage.VarLenLayer`) holds every (row, KV head) pair as its own
+sequence of kept entries in one flat buffer. Three ways to read it, all computing the same
+function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
+
+* ``reference`` (:func:`pipeline.kv.attention.varlen_attention`): padded (S, L) view, fp32
+  logits and softmax. The only one that can return the attention probabilities, which the
+  decode-time cap needs; the CPU default.
+* ``sdpa`` (:func:`sdpa_varlen_attention`): the same padded view and a boolean mask through
+  ``torch.nn.functional.scaled_dot_product_attention``, each segment one "batch" with its group's
+  G query heads sharing one KV head (``enable_gqa``); in bf16/fp16 on CUDA this dispatches to the
+  memory-efficient kernel and never materialises fp32 logits. The CUDA fallback.
+* ``flash`` (:func:`flash_varlen_attention`): flash-attn's ``flash_attn_varlen_func`` with each
+  segment as one sequence of ``nheads_k = 1`` and its G query heads (``nheads = G``): keys packed as
+  (N, 1, D) with ``cu_seqlens_k`` from the segment lengths, queries as (S*T, G, D). It needs keys
+  of one segment back to back with no padding entries in between; that is a zero-copy view of the
+  store right after compression (segments exactly sized and adjacent), otherwise the live entries
+  are gathered first (one extra copy of the kept cache per layer and step). New tokens are the
+  last T entries of every segment in order, so flash-attn's causal mask (aligned to the bottom
+  right when ``seqlen_q != seqlen_k``) is exactly the position rule; padding tokens of
+  left-padded rows are left out of the keys, which keeps that alignment right for the real
+  queries. Used on CUDA for fp16/bf16 when ``flash_attn`` is installed.
+
+``choose_kernel`` picks one per call; ``CRITICALKV_VARLEN_KERNEL=reference|sdpa|flash`` forces
+one (benchmarks, the GPU check). The flash path's packing is tested on CPU against a plain
+per-sequence implementation of ``flash_attn_varlen_func``'s documented semantics
+(``tests/kv/test_varlen_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_ENV = "CRITICALKV_VARLEN_KERNEL"
+KERNELS = ("reference", "sdpa", "flash")
+
+
+def flash_varlen_function() -> Callable | None:
+    """flash-attn's ``flash_attn_varlen_func`` when the package imports, else None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - not installed, or built for another torch/CUDA
+        return None
+    return flash_attn_varlen_func
+
+
+def choose_kernel(query: torch.Tensor, need_probs: bool) -> str:
+    """The kernel for one call: forced by ``$CRITICALKV_VARLEN_KERNEL``, else ``reference`` on CPU,
+    ``flash`` on CUDA with fp16/bf16 and flash-attn installed, ``sdpa`` otherwise on CUDA.
+    Calls that need probabilities (the decode cap) always use ``reference``."""
+    if need_probs:
+        return "reference"
+    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if forced:
+        if forced not in KERNELS:
+            raise ValueError(f"{KERNEL_ENV}={forced!r}: expected one of {', '.join(KERNELS)}")
+        return forced
+    if not query.is_cuda:
+        return "reference"
+    if query.dtype in (torch.float16, torch.bfloat16) and flash_varlen_function() is not None:
+        return "flash"
+    return "sdpa"
+
+
+def sdpa_varlen_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor,
+    query_pos: torch.Tensor, scaling: float,
+) -> torch.Tensor:
+    """SDPA over the padded view of the variable-length cache.
+
+    query: (B, H_q, T, D); keys/values: (S, L, D), S = B * H_kv; key_pos: (S, L) (-1 = no entry);
+    query_pos: (B, T). Returns (B, H_q, T, D) in the query's dtype.
+    """
+    bsz, h_q, t, dim = query.shape
+    segments, length, _ = keys.shape
+    h_kv = segments // bsz
+    groups = h_q // h_kv
+    q = query.reshape(segments, groups, t, dim)
+    qpos = query_pos[:, None, :].expand(bsz, h_kv, t).reshape(segments, 1, t, 1)
+    kpos = key_pos[:, None, None, :]
+    allowed = (kpos >= 0) & (kpos <= qpos)  # (S, 1, T, L)
+    out = F.scaled_dot_product_attention(
+        q, keys[:, None].to(q.dtype), values[:, None].to(q.dtype), attn_mask=allowed, scale=scaling,
+        enable_gqa=True,
+    )
+    return out.reshape(bsz, h_q, t, dim)
+
+
+def packed_segments(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The store's live, non-padding entries as flash-attn varlen sequences.
+
+    Returns keys, values (N, 1, D), ``cu_seqlens`` (S + 1,) int32 and the longest sequence; a
+    view of the store's buffers when its segments are adjacent and hold no padding entries,
+    otherwise one gather.
+    """
+    length = layer.length
+    cu = torch.zeros(length.numel() + 1, dtype=torch.long, device=length.device)
+    torch.cumsum(length, 0, out=cu[1:])
+    total = int(cu[-1])
+    adjacent = bool((layer.start == cu[:-1]).all())
+    if adjacent and not bool((layer.positions[:total] < 0).any()):
+        keys, values = layer.keys[:total], layer.values[:total]
+        lengths = length
+    else:
+        index = layer._segment_index(layer.start)  # live entries, segment by segment
+        real = layer.positions[index] >= 0
+        index = index[real]
+        segment = torch.repeat_interleave(torch.arange(length.numel(), device=length.device), length)[real]
+        lengths = torch.bincount(segment, minlength=length.numel())
+        torch.cumsum(lengths, 0, out=cu[1:])
+        keys, values = layer.keys[index], layer.values[index]
+    max_len = int(lengths.max()) if lengths.numel() else 0
+    return keys[:, None], values[:, None], cu.to(torch.int32), max_len
+
+
+def flash_varlen_attention(
+    query: torch.Tensor, layer, scaling: float, varlen_fn: Callable | None = None,
+) -> torch.Tensor:
+    """Attention of T new queries per row over ``layer`` with a flash-attn varlen kernel.
+
+    query: (B, H_q, T, D); the chunk's keys must already be appended (they are the last T entries
+    of each segment). ``varlen_fn`` defaults to ``flash_attn.flash_attn_varlen_func``.
+    Returns (B, H_q, T, D).
+    """
+    fn = varlen_fn or flash_varlen_function()
+    if fn is None:
+        raise RuntimeError("the flash varlen kernel needs the flash-attn package (pip install flash-attn)")
+    bsz, h_q, t, dim = query.shape
+    segments = layer.num_segments
+    groups = h_q // (segments // bsz)
+    keys, values, cu_k, max_k = packed_segments(layer)
+    # (B, H_kv, G, T, D) -> one sequence of T tokens x G heads per segment
+    q = query.reshape(segments, groups, t, dim).transpose(1, 2).reshape(segments * t, groups, dim)
+    cu_q = torch.arange(0, (segments + 1) * t, t, dtype=torch.int32, device=query.device)
+    out = fn(q.contiguous(), keys.to(query.dtype), values.to(query.dtype), cu_q, cu_k, t, max_k,
+             softmax_scale=scaling, causal=True)
+    return out.reshape(segments, t, groups, dim).transpose(1, 2).reshape(bsz, h_q, t, dim)

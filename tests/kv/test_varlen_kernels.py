@@ -1,0 +1,180 @@
+"""The accelerator kernels over the variable-length cache equal the fp32 reference.
+
+``sdpa`` runs here as it would on CUDA (same torch call). ``flash`` cannot run without a GPU and
+flash-attn, so its packing (segments as sequences, G query heads per KV head, padding left out,
+bottom-right causal alignment) is checked by handing it ``naive_flash_varlen``: a per-sequence
+implementation of ``flash_attn_varlen_func``'s documented semantics written here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import CompressionConfig, GenerationConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.types import Request
+from pipeline.kv import varlen_kernels
+from pipeline.kv.attention import varlen_attention
+from pipeline.kv.storage import VarLenLayer
+from pipeline.kv.varlen_kernels import (
+    KERNEL_ENV,
+    choose_kernel,
+    flash_varlen_attention,
+    packed_segments,
+    sdpa_varlen_attention,
+)
+from tests.tiny import tiny_loaded
+
+
+def naive_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       softmax_scale=None, causal=False):
+    """flash_attn_varlen_func's contract: q (Nq, H, D), k/v (Nk, H_k, D); sequence i is
+    q[cu_q[i]:cu_q[i+1]] against k[cu_k[i]:cu_k[i+1]]; causal masks are aligned to the bottom
+    right (query j sees key m iff m <= len_k - len_q + j); a query seeing no key outputs 0."""
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+    out = torch.zeros_like(q)
+    heads, heads_k = q.shape[1], k.shape[1]
+    for i in range(cu_seqlens_q.numel() - 1):
+        qa, qb = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        ka, kb = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        assert qb - qa <= max_seqlen_q and kb - ka <= max_seqlen_k
+        for h in range(heads):
+            kh = h // (heads // heads_k)
+            for j in range(qb - qa):
+                limit = (kb - ka) - (qb - qa) + j if causal else kb - ka - 1
+                if limit < 0:
+                    continue
+                keys, values = k[ka : ka + limit + 1, kh].float(), v[ka : ka + limit + 1, kh].float()
+                weights = torch.softmax((keys @ q[qa + j, h].float()) * softmax_scale, dim=0)
+                out[qa + j, h] = (weights @ values).to(q.dtype)
+    return out
+
+
+def _layer_and_chunk(bsz=2, h_kv=2, groups=2, n=12, t=3, dim=8, pad=(0, 2), seed=0, append=True,
+                     device="cpu", dtype=torch.float32):
+    """A compressed layer (random ragged keep masks, left-padded prefill) plus a chunk of T new
+    tokens appended (row b's first pad[b] tokens are padding). Returns layer, query, query_pos."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    key, value = randn(bsz, h_kv, n, dim), randn(bsz, h_kv, n, dim)
+    positions = torch.arange(n).repeat(bsz, 1)
+    positions[1, :3] = -1  # row 1's context is left padded
+    positions[1, 3:] -= 3
+    keep = torch.rand(bsz, h_kv, n, generator=g) < 0.5
+    keep[..., -2:] = True  # a window
+    layer = VarLenLayer.from_dense(key, value, positions.to(device), keep.to(device))
+    ctx_len = (positions.max(-1).values + 1)[:, None]
+    chunk_pos = ctx_len + torch.arange(t)[None]
+    if not append:
+        t = 1
+        chunk_pos = ctx_len
+    else:
+        for b, p in enumerate(pad):
+            chunk_pos[b, :p] = -1
+            chunk_pos[b, p:] = ctx_len[b, 0] + torch.arange(t - p)
+        layer.append(randn(bsz, h_kv, t, dim), randn(bsz, h_kv, t, dim), chunk_pos.to(device))
+    query = randn(bsz, h_kv * groups, t, dim)
+    real = chunk_pos >= 0
+    query_pos = torch.where(real, chunk_pos, torch.zeros_like(chunk_pos))
+    return layer, query, query_pos.to(device), real.to(device)
+
+
+def _reference(layer, query, query_pos, scaling):
+    keys, values, key_pos = layer.padded_view()
+    return varlen_attention(query.float(), keys.float(), values.float(), key_pos, query_pos, scaling)[0]
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("append", [True, False])
+def test_flash_packing_equals_the_reference(groups, append):
+    layer, query, query_pos, real = _layer_and_chunk(groups=groups, append=append)
+    expected = _reference(layer, query, query_pos, 0.3)
+    got = flash_varlen_attention(query, layer, 0.3, varlen_fn=naive_flash_varlen)
+    mask = real[:, None, :, None].expand_as(expected)  # padding queries' outputs are ignored
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_segments_is_a_view_right_after_compression_and_a_gather_after_appends():
+    layer, *_ = _layer_and_chunk(append=False)
+    keys, values, cu, max_len = packed_segments(layer)
+    assert keys.data_ptr() == layer.keys.data_ptr() and keys.shape == (int(layer.length.sum()), 1, 8)
+    assert cu.tolist() == [0, *torch.cumsum(layer.length, 0).tolist()] and max_len == layer.max_length
+    layer, *_ = _layer_and_chunk(append=True, pad=(0, 2))
+    keys, _, cu, _ = packed_segments(layer)
+    assert keys.data_ptr() != layer.keys.data_ptr()
+    padding_entries = 2 * layer.num_heads  # row 1's two padding tokens, in each of its heads
+    assert int(cu[-1]) == int(layer.length.sum()) - padding_entries == keys.shape[0]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_sdpa_equals_the_reference(dtype, tol):
+    layer, query, query_pos, real = _layer_and_chunk(groups=2)
+    expected = _reference(layer, query, query_pos, 0.3)
+    keys, values, key_pos = layer.padded_view()
+    got = sdpa_varlen_attention(query.to(dtype), keys.to(dtype), values.to(dtype), key_pos, query_pos, 0.3)
+    assert got.dtype == dtype
+    mask = real[:, None, :, None].expand_as(expected)
+    torch.testing.assert_close(got.float()[mask], expected[mask], atol=tol, rtol=tol)
+
+
+def test_kernel_choice(monkeypatch):
+    q = torch.zeros(1, 2, 1, 4)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    assert choose_kernel(q, need_probs=False) == "reference"  # CPU default
+    monkeypatch.setenv(KERNEL_ENV, "sdpa")
+    assert choose_kernel(q, need_probs=False) == "sdpa"
+    assert choose_kernel(q, need_probs=True) == "reference"  # the decode cap needs probabilities
+    monkeypatch.setenv(KERNEL_ENV, "triton")
+    with pytest.raises(ValueError, match="CRITICALKV_VARLEN_KERNEL='triton'"):
+        choose_kernel(q, need_probs=False)
+
+
+def test_flash_without_flash_attn_says_what_is_missing(monkeypatch):
+    layer, query, *_ = _layer_and_chunk()
+    monkeypatch.setattr(varlen_kernels, "flash_varlen_function", lambda: None)
+    with pytest.raises(RuntimeError, match="flash-attn"):
+        flash_varlen_attention(query, layer, 0.3)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash"])
+def test_engine_batches_give_the_same_answers_with_each_kernel(kernel, monkeypatch):
+    """Batched, left-padded rows with ragged AdaKV budgets, several questions per context."""
+    requests = [Request("a", "The quick brown fox jumps over the lazy dog. " * 5, ["Who jumps?", "What dog?"]),
+                Request("b", "Pack my box with five dozen liquor jugs. " * 2, ["What is packed in the box?"])]
+    config = CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.4, window=4, kernel=3)
+
+    def run():
+        engine = Engine(tiny_loaded("mistral"), config, GenerationConfig(max_new_tokens=8, batch_size=2))
+        return [(a.prediction, a.kv_entries_kept, a.error) for a in engine.generate(requests)]
+
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    expected = run()
+    monkeypatch.setenv(KERNEL_ENV, kernel)
+    monkeypatch.setattr(varlen_kernels, "flash_varlen_function", lambda: naive_flash_varlen)
+    assert run() == expected and all(error is None for *_, error in expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or varlen_kernels.flash_varlen_function() is None,
+                    reason="needs CUDA and flash-attn (benchmarks/gpu_check.sh runs it on a GPU machine)")
+@pytest.mark.parametrize("append", [True, False])
+def test_real_flash_attn_equals_the_reference_on_cuda(append):
+    layer, query, query_pos, real = _layer_and_chunk(groups=4, dim=64, n=300, append=append, device="cuda",
+                                                     dtype=torch.bfloat16)
+    expected = _reference(layer, query, query_pos, 0.125)
+    got = flash_varlen_attention(query, layer, 0.125)
+    mask = real[:, None, :, None].expand_as(expected)
+    torch.testing.assert_close(got.float()[mask], expected[mask], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sdpa_on_cuda_in_bf16_equals_the_reference():
+    layer, query, query_pos, real = _layer_and_chunk(groups=4, dim=64, n=300, device="cuda", dtype=torch.bfloat16)
+    expected = _reference(layer, query, query_pos, 0.125)
+    keys, values, key_pos = layer.padded_view()
+    got = sdpa_varlen_attention(query, keys, values, key_pos, query_pos, 0.125)
+    mask = real[:, None, :, None].expand_as(expected)
+    torch.testing.assert_close(got.float()[mask], expected[mask], atol=3e-2, rtol=3e-2)
