@@ -3,6 +3,8 @@
 ``run_job(JobConfig)`` does, in this order (everything that can be wrong with the configuration
 fails before Ray starts, with :class:`JobConfigError` naming the field):
 
+Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipeline.storage`).
+
 1. **Output check**: ``output`` must be a new directory, an empty one, or one written by an
    earlier run of the *same* configuration (its ``manifest.json`` records the settings that define
    a result -- model, method, budgets, decoding, prompts; see ``JobConfig.identity``).
@@ -16,7 +18,8 @@ fails before Ray starts, with :class:`JobConfigError` naming the field):
    ``ray.data.read_parquet`` and normalises in Ray tasks: ``map_batches(normalise_batch)`` for
    one-row-per-document inputs, ``groupby(id).map_groups(normalise_batch)`` for
    one-question-per-row inputs (which then need an id column); the driver only reads the schema.
-3. **Resume**: while holding ``OUT/.lock``, the driver deletes temporary files of killed writes and
+3. **Resume**: while holding ``OUT/.lock`` (local outputs; object stores have no lock, see
+   :mod:`pipeline.distributed.rundir`), the driver deletes temporary files of killed writes and
    reads the (doc_id, question_id) keys of the committed files in ``OUT/data``. A document is done
    when every one of its question ids has a committed row (with ``retry_errors``: a row without
    ``error``); done documents are not scheduled again.
