@@ -36,7 +36,7 @@ from roofline import RESULTS_DIR, header  # noqa: E402
 FULL = {
     "roofline": {},
     "compression": {"--lengths": "2048,4096", "--repeats": "3"},
-    "pipeline_overhead": {"--repeats": "3"},
+    "pipeline_overhead": {"--docs": "32", "--repeats": "2"},
     "vs_kvpress": {"--lengths": "2048,4096", "--faith-lengths": "2048,4096", "--repeats": "3", "--new-tokens": "32", "--out": ""},
     "full_cache_scaling": {"--lengths": "1024,2048,4096,8192", "--repeats": "3", "--prefill-repeats": "2", "--decode-steps": "16", "--out": ""},
 }
