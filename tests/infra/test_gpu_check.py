@@ -43,8 +43,8 @@ def test_gpu_check_refuses_the_8b_shape_on_cpu(capsys):
 
 
 def test_gpu_check_model_is_llama_31_8b_shaped():
-    from transformers import LlamaConfig, LlamaForCausalLM
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**gpu_check.LLAMA_31_8B, tie_word_embeddings=False))
