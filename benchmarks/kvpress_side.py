@@ -1,4 +1,4 @@
-"""The kvpress half of ``benchmarks/vs_kvpress.py``; runs INSIDE the kvpress virtual environment.
+"""The kvpress half of ``benchmarks/vs_kvpress.py`` (started by ``kvpress_common.KvpressSide``); runs INSIDE the kvpress virtual environment.
 
 kvpress 0.5.5 needs transformers 5.2 (it reads ``cache_position``, removed in transformers 5.3+),
 so it cannot share the project's venv. ``vs_kvpress.py`` starts this script with the kvpress venv's

@@ -14,6 +14,8 @@ for path in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import roofline  # noqa: E402
+import kvpress_common  # noqa: E402
+import kvpress_faithfulness  # noqa: E402
 import vs_kvpress  # noqa: E402
 from full_cache_scaling import configs, measure_length  # noqa: E402
 from run_all import has_flag  # noqa: E402
@@ -76,27 +78,27 @@ def test_norm_timer_restores_functions():
 def test_agreement_and_score_gap():
     ours = [[[0, 1, 2], [3, 4, 5]]]
     theirs = [[[0, 1, 2], [3, 4, 6]]]
-    ag = vs_kvpress.agreement(ours, theirs)
+    ag = kvpress_faithfulness.agreement(ours, theirs)
     assert ag["heads"] == 2 and ag["identical"] == 1 and ag["differing_entries"] == 2
     assert ag["min_jaccard"] == pytest.approx(2 / 4)
     scores = [torch.tensor([[9.0, 8, 7, 0, 0, 0, 0], [0, 0, 0, 5.0, 4.0, 1.0, 1.0 + 1e-6]])]
-    gap, stage1 = vs_kvpress.score_gap_at_differences(ours, theirs, scores)
+    gap, stage1 = kvpress_faithfulness.score_gap_at_differences(ours, theirs, scores)
     assert gap < 1e-5 and stage1 == 0
-    assert vs_kvpress.kvpress_n_kept(1024, 0.2) == 204  # int(1024 * (1 - (1 - 0.2))) in floats
+    assert kvpress_faithfulness.kvpress_n_kept(1024, 0.2) == 204  # int(1024 * (1 - (1 - 0.2))) in floats
 
 
 def test_venv_commands_install_torch_first(tmp_path):
-    cmds = vs_kvpress.venv_commands(tmp_path / "v", "python3", tmp_path / "c.txt")
+    cmds = kvpress_common.venv_commands(tmp_path / "v", "python3", tmp_path / "c.txt")
     assert cmds[0][1:3] == ["-m", "venv"]
-    assert cmds[1][-1] == f"torch=={vs_kvpress.TORCH_VERSION}"
+    assert cmds[1][-1] == f"torch=={kvpress_common.TORCH_VERSION}"
     assert "-c" in cmds[2] and "kvpress==0.5.5" in cmds[2] and "transformers==5.2.0" in cmds[2] and "pandas<3" in cmds[2]
-    assert vs_kvpress.venv_stamp(tmp_path / "v").name.startswith(".ckv-kvpress-")
+    assert kvpress_common.venv_stamp(tmp_path / "v").name.startswith(".ckv-kvpress-")
 
 
 def test_our_kept_positions_on_tiny_model(tiny):
     n, budget = 160, 70
     ids = torch.randint(0, 250, (1, n))
-    kept = vs_kvpress.our_kept(tiny.model, ids, ["snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv"], budget)
+    kept = kvpress_faithfulness.our_kept(tiny.model, ids, ["snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv"], budget)
     heads = tiny.model.config.num_key_value_heads
     for method in ("snapkv", "criticalkv-snapkv"):
         layers = kept[method]["kept"]
@@ -108,8 +110,8 @@ def test_our_kept_positions_on_tiny_model(tiny):
 
 def test_kvpress_adakv_rule_on_tiny_model(tiny):
     n, budget = 160, 70
-    capture = vs_kvpress.capture_prefill(tiny.model, torch.randint(0, 250, (1, n)))
-    kept, hb, n_safe = vs_kvpress.kvpress_adakv_rule(capture, 0, 0, budget)
+    capture = kvpress_faithfulness.capture_prefill(tiny.model, torch.randint(0, 250, (1, n)))
+    kept, hb, n_safe = kvpress_faithfulness.kvpress_adakv_rule(capture, 0, 0, budget)
     assert len(kept) == hb and n_safe == int(budget * 0.2)
     assert set(range(n - 64, n)) <= kept or hb < 64
 
