@@ -60,13 +60,15 @@ def snapkv_scores(
     logits = logits.view(bsz, h_kv, groups, w, n)
     q_index = torch.arange(n - w, n, device=key.device)
     k_index = torch.arange(n, device=key.device)
-    allowed = (k_index[None, :] <= q_index[:, None])[None, :, :] & (key_pos >= 0)[:, None, :]  # (B, w, n)
-    logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
+    hidden = (k_index[None, :] > q_index[:, None])[None, :, :] | (key_pos < 0)[:, None, :]  # (B, w, n)
+    # a finite fill: a padding query that sees no key gets a uniform row instead of NaNs (weight 0 below)
+    logits = logits.masked_fill_(hidden[:, None, None], torch.finfo(logits.dtype).min)
     probs = torch.softmax(logits, dim=-1)
     # valid window queries of row b: real tokens among its last window[b] positions
     q_valid = (torch.arange(w, device=key.device)[None, :] >= w - window[:, None]) & (key_pos[:, n - w :] >= 0)
     weight = q_valid.float() / q_valid.float().sum(-1, keepdim=True).clamp(min=1.0)  # (B, w)
-    scores = torch.einsum("bhgwn,bw->bhgn", probs.nan_to_num(0.0), weight)  # (B, H_kv, G, n)
+    # weighted mean over window queries as (1, w) @ (w, n) per (row, head, group): no transposed copy
+    scores = torch.matmul(weight[:, None, None, None, :], probs).squeeze(-2)  # (B, H_kv, G, n)
     # pool over non-window keys only: window keys contribute zeros (as zero padding would)
     scores = scores.masked_fill(window_mask(key_pos, window)[:, None, None, :], 0.0)
     if kernel > 1:
