@@ -87,6 +87,17 @@ def base_press(press):
     return getattr(press, "press", press)
 
 
+def recording(score_fn, into: dict):
+    """``score_fn`` that also keeps a float copy of each layer's scores in ``into[layer_idx]``."""
+
+    def wrapped(module, *args, **kwargs):
+        scores = score_fn(module, *args, **kwargs)
+        into[module.layer_idx] = scores.detach().float().clone()
+        return scores
+
+    return wrapped
+
+
 def status_bytes(key: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -152,23 +163,9 @@ class Side:
         final_scores: dict[int, torch.Tensor] = {}
         base_scores: dict[int, torch.Tensor] = {}
         inner = base_press(press)
-        inner_score = inner.score
-
-        def capture_base(module, *args, **kwargs):
-            s = inner_score(module, *args, **kwargs)
-            base_scores[module.layer_idx] = s.detach().float().clone()
-            return s
-
-        inner.score = capture_base
+        inner.score = recording(inner.score, base_scores)
         if spec["name"] not in HEADWISE and inner is not press:
-            outer_score = press.score
-
-            def capture_final(module, *args, **kwargs):
-                s = outer_score(module, *args, **kwargs)
-                final_scores[module.layer_idx] = s.detach().float().clone()
-                return s
-
-            press.score = capture_final
+            press.score = recording(press.score, final_scores)
         pruned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if spec["name"] not in HEADWISE:
             compress = press.compress

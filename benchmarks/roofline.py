@@ -41,6 +41,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pipeline.engine.memory import proc_status_bytes  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 
@@ -170,7 +173,7 @@ class PeakRSS:
     """
 
     def __enter__(self) -> PeakRSS:
-        self.start = _status_bytes("VmRSS")
+        self.start = proc_status_bytes("VmRSS")
         try:
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")
@@ -180,19 +183,9 @@ class PeakRSS:
         return self
 
     def __exit__(self, *exc) -> None:
-        peak = _status_bytes("VmHWM")
+        peak = proc_status_bytes("VmHWM")
         # clamp: pages of the starting RSS that get dropped during the block can push the mark below it
         self.delta_bytes = max(0, peak - self.start) if (self.ok and peak is not None) else None
-
-
-def _status_bytes(key: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 # ---------------------------------------------------------------------------------- limits

@@ -232,7 +232,3 @@ def resolve(target: str | os.PathLike | Location) -> Location:
         raise StorageError(f"{target}: cannot set up the {kind}:// filesystem: {exc}") from exc
     return Location(f"{kind}://{path}", path, fs)
 
-
-def describe(target: str | os.PathLike | Location) -> str:
-    """The canonical text of a location, for messages (no filesystem is built for local paths)."""
-    return target.uri if isinstance(target, Location) else str(target)

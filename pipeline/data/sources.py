@@ -132,15 +132,26 @@ def read_jsonl(path: str | os.PathLike | Location, fields: Collection[str] | Non
     return pa.Table.from_arrays(arrays + [error_col, line_col], names=names + ["input_error", "input_line"])
 
 
+def is_datasets_dir(location: Location) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk``."""
+    return location.child("dataset_info.json").is_file() or location.child("dataset_dict.json").is_file()
+
+
+def parquet_files(location: Location) -> list[pafs.FileInfo]:
+    """The Parquet files under a directory or prefix (recursive, sorted by path), skipping names
+    that start with ``.`` or ``_`` at any level (temporary files, ``_SUCCESS`` markers)."""
+    listed = [i for i in location.files(recursive=True) if i.extension in ("parquet", "pq")
+              and not any(part.startswith((".", "_")) for part in location.relative(i).parts)]
+    return sorted(listed, key=lambda i: i.path)
+
+
 def _read_parquet(location: Location) -> pa.Table:
     if location.is_file():
         return pq.read_table(location.path, filesystem=location.fs)
-    listed = [i for i in location.files(recursive=True) if i.extension in ("parquet", "pq")
-              and not any(part.startswith((".", "_")) for part in location.relative(i).parts)]
-    if not listed:
+    files = parquet_files(location)
+    if not files:
         raise DataSourceError(f"{location}: directory holds no Parquet files and is not a datasets directory")
-    files = sorted(i.path for i in listed)
-    return pa.concat_tables([pq.read_table(f, filesystem=location.fs) for f in files], promote_options="permissive")
+    return pa.concat_tables([pq.read_table(f.path, filesystem=location.fs) for f in files], promote_options="permissive")
 
 
 def _read_file(location: Location, fields: Collection[str] | None) -> pa.Table:
@@ -207,7 +218,7 @@ def read_table(
         return _read_object_store(path_or_name, fields)
     path = Path(path_or_name).expanduser()
     if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        if is_datasets_dir(resolve(path)):
             import datasets
 
             try:

@@ -8,8 +8,8 @@ Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipelin
 1. **Output check**: ``output`` must be a new directory, an empty one, or one written by an
    earlier run of the *same* configuration (its ``manifest.json`` records the settings that define
    a result -- model, method, budgets, decoding, prompts; see ``JobConfig.identity``).
-2. **Input**: documents are normalised to ``DOCUMENT_SCHEMA`` (one row per document, its questions
-   in lists), so that all question rows of a document travel in one batch and share one compressed
+2. **Input** (:mod:`pipeline.distributed.inputs`): documents are normalised to
+   ``DOCUMENT_SCHEMA`` (one row per document, its questions in lists), so that all question rows of a document travel in one batch and share one compressed
    context. ``normalise="driver"`` (the default for built-in samples, JSONL, ``datasets``
    directories, hub datasets and Parquet up to 256 MiB) reads and normalises on the driver with
    :func:`pipeline.data.read_table` / :func:`pipeline.data.normalise_batch` (JSONL lines that cannot
@@ -51,13 +51,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 
-from pipeline.data.normalise import check_duplicate_ids, normalise_batch
-from pipeline.data.schema import DOCUMENT_SCHEMA, SCHEMA_VERSION
-from pipeline.data.sources import DataSourceError, read_table
-from pipeline.data.synthetic import sample_qa_documents, sample_summarization_documents
+from pipeline.data.normalise import normalise_batch
+from pipeline.data.schema import SCHEMA_VERSION
 from pipeline.distributed import sink
+from pipeline.distributed.inputs import (
+    add_instruction_column,
+    apply_instruction,
+    check_ray_input,
+    choose_normalise,
+    drop_done,
+    input_location,
+    instruction_mapping,
+    load_documents,
+)
 from pipeline.distributed.rundir import (  # noqa: F401 - re-exported: JobConfigError, MANIFEST, DATA_DIR
     DATA_DIR,
     LOCK,
@@ -72,13 +79,9 @@ from pipeline.distributed.rundir import (  # noqa: F401 - re-exported: JobConfig
     new_run_id,
 )
 from pipeline.job_config import JobConfig
-from pipeline.storage import Location, StorageError, resolve
 from pipeline.summary import RunSummary, format_summary, summarize
 
 logger = logging.getLogger(__name__)
-
-DRIVER_NORMALISE_MAX_BYTES = 256 * 2**20
-INSTRUCTION_COLUMN = "__instruction__"
 
 
 class JobFailed(RuntimeError):
@@ -103,115 +106,6 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
 
-def add_instruction_column(table: pa.Table, instruction: str) -> pa.Table:
-    """Raw rows plus a constant question column (summaries: the instruction is the question)."""
-    if INSTRUCTION_COLUMN in table.column_names:
-        table = table.drop_columns([INSTRUCTION_COLUMN])
-    return table.append_column(INSTRUCTION_COLUMN, pa.array([instruction] * table.num_rows, pa.string()))
-
-
-def apply_instruction(table: pa.Table, instruction: str) -> pa.Table:
-    """Normalised documents with the instruction as their only question (id ``"0"``)."""
-    docs = table.to_pylist()
-    for doc in docs:
-        refs = doc.get("references") or None
-        doc["questions"], doc["question_ids"] = [instruction], ["0"]
-        doc["references"] = refs[:1] if refs else None
-    return pa.Table.from_pylist(docs, schema=DOCUMENT_SCHEMA)
-
-
-def _instruction_mapping(config: JobConfig):
-    explicit = config.columns.model_dump(exclude_unset=True)
-    for key in ("question", "questions", "question_id"):
-        explicit.pop(key, None)
-    return type(config.columns)(**explicit, question=INSTRUCTION_COLUMN)
-
-
-def sample_documents(config: JobConfig) -> pa.Table:
-    """The built-in sample documents of the job; their generation limit is the job's
-    ``max_new_tokens`` (user inputs may carry a per-row ``max_new_tokens`` column instead)."""
-    make = sample_qa_documents if config.job == "longdoc_qa" else sample_summarization_documents
-    docs = make(config.sample_docs, config.sample_words, config.sample_seed)
-    for doc in docs:
-        doc["max_new_tokens"] = None
-    return pa.Table.from_pylist(docs, schema=DOCUMENT_SCHEMA)
-
-
-PARQUET_SUFFIXES = (".parquet", ".pq")
-
-
-def _input_location(config: JobConfig) -> Location:
-    try:
-        return resolve(config.input)
-    except StorageError as exc:
-        raise JobConfigError("input", str(exc)) from exc
-
-
-def _parquet_size(location: Location) -> int | None:
-    """Total size of a Parquet input (file, directory or prefix), or None when it is not Parquet."""
-    try:
-        info = location.info()
-        if info.type == pafs.FileType.File:
-            return info.size if location.suffix in PARQUET_SUFFIXES else None
-        if info.type != pafs.FileType.Directory:
-            return None
-        listed = location.files(recursive=True)
-    except OSError as exc:
-        raise JobConfigError("input", f"cannot access {location}: {exc}") from exc
-    if any(location.relative(i).as_posix() in ("dataset_info.json", "dataset_dict.json") for i in listed):
-        return None
-    files = [i for i in listed if i.extension in ("parquet", "pq")
-             and not any(part.startswith((".", "_")) for part in location.relative(i).parts)]
-    return sum(i.size or 0 for i in files) if files else None
-
-
-def _is_local_name(config: JobConfig) -> bool:
-    """A hub dataset name or a local path (sized without building a filesystem for names)."""
-    return not isinstance(config.input, str) or "://" not in config.input
-
-
-def choose_normalise(config: JobConfig) -> str:
-    if config.input is None:
-        if config.normalise == "ray":
-            raise JobConfigError("normalise", "'ray' needs a Parquet file or directory as input")
-        return "driver"
-    location = _input_location(config)
-    if _is_local_name(config) and not location.exists():
-        size = None  # a hub dataset name
-    else:
-        size = _parquet_size(location)
-    if config.normalise != "auto":
-        if config.normalise == "ray" and size is None:
-            raise JobConfigError("normalise", "'ray' needs a Parquet file or directory as input")
-        return config.normalise
-    return "ray" if size is not None and size > DRIVER_NORMALISE_MAX_BYTES else "driver"
-
-
-def load_documents(config: JobConfig) -> pa.Table:
-    """Read and normalise the whole input on the driver (``normalise="driver"``)."""
-    if config.input is None:
-        table = sample_documents(config)
-    else:
-        mapping = config.columns
-        try:
-            raw = read_table(config.input, split=config.split, config=config.dataset_config)
-        except (FileNotFoundError, DataSourceError) as exc:
-            raise JobConfigError("input", str(exc)) from exc
-        if config.instruction is not None:
-            raw, mapping = add_instruction_column(raw, config.instruction), _instruction_mapping(config)
-        try:
-            table = normalise_batch(raw, mapping, row_offset=0)
-        except ValueError as exc:
-            raise JobConfigError("columns", str(exc)) from exc
-    if config.instruction is not None:
-        table = apply_instruction(table, config.instruction)
-    try:
-        check_duplicate_ids(table)
-    except ValueError as exc:
-        raise JobConfigError("input", str(exc)) from exc
-    return table
-
-
 def check_model(config: JobConfig) -> None:
     """Fail fast on a model that cannot be found -- only where the actors will run on this machine
     (a local Ray); on a cluster the path may exist on the workers only."""
@@ -231,38 +125,6 @@ def check_model(config: JobConfig) -> None:
             resolve_model_path(config.model)  # for paths: checks files only; hub ids: nothing to check offline
     except ModelNotFoundError as exc:
         raise JobConfigError("model.name", str(exc)) from exc
-
-
-def check_ray_input(config: JobConfig) -> dict:
-    """Schema-only checks for ``normalise="ray"``; returns the resolved column roles."""
-    import pyarrow.dataset as pads
-
-    location = _input_location(config)
-    try:
-        schema = pads.dataset(location.path, filesystem=location.fs, format="parquet",
-                              ignore_prefixes=[".", "_"]).schema
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise JobConfigError("input", f"cannot read the Parquet schema of {location}: {exc}") from exc
-    names = list(schema.names) + ([INSTRUCTION_COLUMN] if config.instruction is not None else [])
-    mapping = _instruction_mapping(config) if config.instruction is not None else config.columns
-    try:
-        cols = mapping.resolve(names)
-    except ValueError as exc:
-        raise JobConfigError("columns", str(exc)) from exc
-    if not cols["listed"] and cols["id"] is None:
-        raise JobConfigError(
-            "columns", "one-question-per-row input normalised in Ray needs a document id column "
-            "(set the id column, or use normalise='driver')")
-    return cols
-
-
-def drop_done(table: pa.Table, done: dict[str, list[str]]) -> pa.Table:
-    """Ray-side resume filter: keep documents that still miss a committed row."""
-    if not done:
-        return table
-    keep = [not (doc_id in done and set(qids) <= set(done[doc_id]))
-            for doc_id, qids in zip(table.column("doc_id").to_pylist(), table.column("question_ids").to_pylist())]
-    return table.filter(pa.array(keep, pa.bool_()))
 
 
 # ---------------------------------------------------------------------- ray
@@ -327,14 +189,14 @@ def build_dataset(config: JobConfig, docs: pa.Table | None, done: dict[str, list
         # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
         ds = ray.data.from_blocks(blocks) if hasattr(ray.data, "from_blocks") else ray.data.from_arrow(blocks)
     else:
-        location = _input_location(config)
+        location = input_location(config)
         cols = check_ray_input(config)
         ds = ray.data.read_parquet(location.path, filesystem=location.fs, file_extensions=["parquet", "pq"])
         mapping = config.columns
         if config.instruction is not None:
             ds = ds.map_batches(add_instruction_column, fn_kwargs={"instruction": config.instruction},
                                 batch_format="pyarrow")
-            mapping = _instruction_mapping(config)
+            mapping = instruction_mapping(config)
         if cols["listed"]:
             ds = ds.map_batches(normalise_batch, fn_kwargs={"mapping": mapping}, batch_format="pyarrow")
         else:

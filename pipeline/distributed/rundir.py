@@ -14,11 +14,11 @@ import datetime as _dt
 import fcntl
 import getpass
 import json
+import logging
 import os
 import platform
 import socket
 import sys
-import logging
 import uuid
 
 from pipeline.data.schema import SCHEMA_VERSION

@@ -7,9 +7,9 @@ Layout of ``OUT/data/``:
   then renamed, so a file with a committed name is always whole. On object storage (``s3://``,
   ``gs://``; see :mod:`pipeline.storage`) the file is uploaded under its final key in one request:
   an object appears whole when its upload completes, or not at all (an upload killed part-way is
-  invisible and never becomes an object), so no temporary name is needed. ``<digest>`` hashes the (doc_id, question_id) keys the file
-  holds, so a write task that Ray retries after it already committed replaces its own file instead
-  of adding a second copy.
+  invisible and never becomes an object), so no temporary name is needed. ``<digest>`` hashes the
+  (doc_id, question_id) keys the file holds, so a write task that Ray retries after it already
+  committed replaces its own file instead of adding a second copy.
 * ``.tmp-*``: a write in progress, or debris of a write killed part-way. Readers ignore names
   starting with ``.`` or ``_`` (pyarrow datasets, ``pipeline.data.read_table``, Ray's
   ``read_parquet``); the next run deletes them while it holds the output lock.
@@ -123,7 +123,7 @@ class AtomicParquetDatasink(Datasink):
         if not tables:
             return []
         table = pa.concat_tables([conform(t) for t in tables])
-        path = commit_table(table, resolve(self.data_dir), self.run_id)
+        path = commit_table(table, self.data_dir, self.run_id)
         return [{"file": path.name, "rows": table.num_rows}]
 
     @property
@@ -162,8 +162,13 @@ KEY_COLUMNS = ["doc_id", "question_id", "error"]
 
 def read_keys(data_dir: str | os.PathLike | Location) -> pa.Table:
     """(doc_id, question_id, error, file index) of every committed row."""
+    return _keys_of(committed_files(data_dir))
+
+
+def _keys_of(files: list[Location]) -> pa.Table:
+    """:func:`read_keys` over an already listed ``committed_files``; ``file`` indexes ``files``."""
     parts = []
-    for index, location in enumerate(committed_files(data_dir)):
+    for index, location in enumerate(files):
         table = pq.read_table(location.path, columns=KEY_COLUMNS, filesystem=location.fs)
         parts.append(table.append_column("file", pa.array([index] * table.num_rows, pa.int32())))
     if not parts:
@@ -205,7 +210,7 @@ def dedupe(data_dir: str | os.PathLike | Location, run_id: str) -> int:
     """
     data_dir = resolve(data_dir)
     files = committed_files(data_dir)
-    keys = read_keys(data_dir)
+    keys = _keys_of(files)  # the same listing: file indices must match ``files``
     if keys.num_rows == 0:
         return 0
     best: dict[tuple[str, str], tuple[bool, int, int]] = {}

@@ -171,13 +171,11 @@ class VarLenLayer:
 
     def append(
         self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, has_padding: bool | None = None
-    ) -> torch.Tensor | None:
-        """Append T new tokens to every segment of their row.
+    ) -> None:
+        """Append T new tokens to every segment of their row (each segment's last T entries).
 
         key, value: (B, H, T, D); positions: (B, T) int (-1 marks padding, which is stored but
-        never attended to); ``has_padding``: whether ``positions`` holds a -1 (computed when
-        None). Returns the flat indices (S, T) the tokens were written to, or None for a uniform
-        layout (where they are ``s * uniform_capacity + old length + arange(T)``).
+        never attended to); ``has_padding``: whether ``positions`` holds a -1 (computed when None).
         """
         bsz, heads, t, dim = key.shape
         if has_padding is None:
@@ -193,18 +191,15 @@ class VarLenLayer:
             if self.acc_attention is not None:
                 self.acc_attention.view(segments, cap)[:, old : old + t] = 0.0
             self.uniform = old + t
-            self.length = self.length + t
-            self.padding_free = self.padding_free and not has_padding
-            return None
-        idx = self.start[:, None] + self.length[:, None] + torch.arange(t, device=self.start.device)
-        self.keys[idx.reshape(-1)] = key.reshape(-1, dim).to(self.keys.dtype)
-        self.values[idx.reshape(-1)] = value.reshape(-1, dim).to(self.values.dtype)
-        self.positions[idx.reshape(-1)] = pos.reshape(-1)
-        if self.acc_attention is not None:
-            self.acc_attention[idx.reshape(-1)] = 0.0
+        else:
+            idx = (self.start[:, None] + self.length[:, None] + torch.arange(t, device=self.start.device)).reshape(-1)
+            self.keys[idx] = key.reshape(-1, dim).to(self.keys.dtype)
+            self.values[idx] = value.reshape(-1, dim).to(self.values.dtype)
+            self.positions[idx] = pos.reshape(-1)
+            if self.acc_attention is not None:
+                self.acc_attention[idx] = 0.0
         self.length = self.length + t
         self.padding_free = self.padding_free and not has_padding
-        return idx
 
     # ------------------------------------------------------------------ reading
     def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:

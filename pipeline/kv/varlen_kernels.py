@@ -30,6 +30,7 @@ per-sequence implementation of ``flash_attn_varlen_func``'s documented semantics
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -40,8 +41,10 @@ KERNEL_ENV = "CRITICALKV_VARLEN_KERNEL"
 KERNELS = ("reference", "sdpa", "flash")
 
 
+@functools.lru_cache(maxsize=1)
 def flash_varlen_function() -> Callable | None:
-    """flash-attn's ``flash_attn_varlen_func`` when the package imports, else None."""
+    """flash-attn's ``flash_attn_varlen_func`` when the package imports, else None (looked up once:
+    it is asked per layer and step, and a failed import is not cached by Python)."""
     try:
         from flash_attn import flash_attn_varlen_func
     except Exception:  # noqa: BLE001 - not installed, or built for another torch/CUDA

@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.data.sources import parquet_files
 from pipeline.storage import Location, resolve
 
 FULL = "none"
@@ -27,9 +28,8 @@ def result_files(path: str | Path) -> list[Location]:
         return [location] if location.suffix == ".parquet" else []
     data = location.child("data")
     root = data if data.is_dir() else location
-    files = [root.at(i) for i in root.files(recursive=True) if i.extension == "parquet"
-             and not any(part.startswith((".", "_")) for part in root.relative(i).parts)]
-    return sorted((f for f in files if f.name != "perturbation.parquet"), key=lambda f: f.uri)
+    files = [root.at(i) for i in parquet_files(root)]
+    return [f for f in files if f.suffix == ".parquet" and f.name != "perturbation.parquet"]
 
 
 def read_outputs(paths: list[str | Path]) -> pa.Table:
