@@ -14,11 +14,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import CompressionConfig, ModelConfig  # noqa: E402
+from pipeline.kv.config import CompressionConfig  # noqa: E402
+
+from pipeline.engine.config import ModelConfig  # noqa: E402
 from pipeline.data.synthetic import sample_qa_documents  # noqa: E402
 from pipeline.engine.loading import load_model  # noqa: E402
 from pipeline.kv.attention import register  # noqa: E402
-from pipeline.kv.cache import VarLenCache  # noqa: E402
+from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
 from pipeline.kv.compress import Compressor  # noqa: E402
 
 
@@ -46,24 +48,21 @@ def prefill(model, config: CompressionConfig, ids: torch.Tensor) -> tuple[float,
     """Seconds for the context prefill including compression, and the resulting cache."""
     cache = VarLenCache(model.config.num_hidden_layers, Compressor(config))
     pos = torch.arange(ids.shape[1])[None]
-    cache.begin_chunk(pos)
     t0 = time.perf_counter()
-    model(input_ids=ids, position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True, logits_to_keep=1)
+    run_chunk(model, cache, ids, pos, logits_to_keep=1)
     return time.perf_counter() - t0, cache
 
 
 @torch.inference_mode()
 def decode_ms_per_token(model, cache: VarLenCache, start: int, steps: int, token: int = 42) -> float:
     """Median ms per decode step over ``steps`` greedy-shaped steps (fixed input token)."""
-    for layer in cache.store:
-        layer.reserve(steps + 1)
+    cache.reserve(steps + 1)
     times = []
     ids = torch.tensor([[token]])
     for i in range(steps):
         pos = torch.tensor([[start + i]])
-        cache.begin_chunk(pos)
         t0 = time.perf_counter()
-        model(input_ids=ids, position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True, logits_to_keep=1)
+        run_chunk(model, cache, ids, pos, logits_to_keep=1)
         times.append(time.perf_counter() - t0)
     return 1000.0 * statistics.median(times)
 

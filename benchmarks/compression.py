@@ -15,7 +15,7 @@ import argparse
 
 from common import context_ids, decode_ms_per_token, load_smollm2, machine, median, prefill
 
-from pipeline.config import CompressionConfig
+from pipeline.kv.config import CompressionConfig
 
 PREFILL_METHODS = {
     "none": CompressionConfig(method="none"),
@@ -74,10 +74,9 @@ def main() -> None:
     caches = {name: prefill(model, c, ids)[1] for name, c in cfgs.items()}
     for _ in range(args.repeats):
         for name in runs:
-            snap = [layer.length.clone() for layer in caches[name].store]
+            caches[name].snapshot()
             runs[name].append(decode_ms_per_token(model, caches[name], n, args.decode_steps))
-            for layer, length in zip(caches[name].store, snap):
-                layer.truncate(length)
+            caches[name].restore()
     full = median(runs["full (none)"])
     for name, values in runs.items():
         print(f"| {name} | {median(values):.1f} | {median(values) / full:.3f} |")

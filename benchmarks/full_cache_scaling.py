@@ -48,7 +48,7 @@ COMPRESSED = "criticalkv-adakv-snapkv"
 
 
 def configs(cache_size: float) -> dict:
-    from pipeline.config import CompressionConfig
+    from pipeline.kv.config import CompressionConfig
 
     return {"none": CompressionConfig(method="none"), COMPRESSED: CompressionConfig(method=COMPRESSED, cache_size=cache_size)}
 
@@ -81,10 +81,9 @@ def measure_length(model, ids: torch.Tensor, cfgs: dict, repeats: int, prefill_r
         names = list(cfgs) if r % 2 == 0 else list(reversed(cfgs))
         for name in names:
             cache = caches[name]
-            snap = [layer.length.clone() for layer in cache.store]
+            cache.snapshot()
             out[name]["decode_ms"].append(decode_ms_per_token(model, cache, n, decode_steps))
-            for layer, length in zip(cache.store, snap):
-                layer.truncate(length)
+            cache.restore()
     return out
 
 

@@ -45,9 +45,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import CompressionConfig  # noqa: E402
+from pipeline.kv.config import CompressionConfig  # noqa: E402
 from pipeline.kv.attention import register  # noqa: E402
-from pipeline.kv.cache import VarLenCache  # noqa: E402
+from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
 from pipeline.kv.compress import Compressor  # noqa: E402
 
 LLAMA_31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -135,27 +135,23 @@ def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, Va
     device = ids.device
     cache = VarLenCache(model.config.num_hidden_layers, compressor)
     pos = torch.arange(ids.shape[1], device=device)[None]
-    cache.begin_chunk(pos)
     sync(device)
     t0 = time.perf_counter()
-    model(input_ids=ids, position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True, logits_to_keep=1)
+    run_chunk(model, cache, ids, pos, logits_to_keep=1)
     sync(device)
     return time.perf_counter() - t0, cache
 
 
 @torch.inference_mode()
 def decode_ms_per_token(model, cache: VarLenCache, start: int, steps: int, warmup: int, device: torch.device) -> float:
-    for layer in cache.store:
-        if hasattr(layer, "reserve"):
-            layer.reserve(steps + warmup + 1)
+    cache.reserve(steps + warmup + 1)
     ids = torch.tensor([[42]], device=device)
     times = []
     for i in range(warmup + steps):
         pos = torch.tensor([[start + i]], device=device)
-        cache.begin_chunk(pos)
         sync(device)
         t0 = time.perf_counter()
-        model(input_ids=ids, position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True, logits_to_keep=1)
+        run_chunk(model, cache, ids, pos, logits_to_keep=1)
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)

@@ -209,7 +209,7 @@ class Report:
 
 def load_model_dtype(dtype: str):
     """SmolLM2 in ``dtype`` on CPU with our attention registered (for the bf16 faithfulness rows)."""
-    from pipeline.config import ModelConfig
+    from pipeline.engine.config import ModelConfig
     from pipeline.engine.loading import load_model
     from pipeline.kv.attention import register
 

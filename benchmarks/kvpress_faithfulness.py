@@ -35,7 +35,7 @@ def kvpress_n_kept(n: int, cache_size: float) -> int:
 
 
 def matched_config(method: str, budget: int | None = None, cache_size: float = 1.0):
-    from pipeline.config import CompressionConfig
+    from pipeline.kv.config import CompressionConfig
 
     if method == "none":
         return CompressionConfig(method="none")
@@ -45,16 +45,29 @@ def matched_config(method: str, budget: int | None = None, cache_size: float = 1
 
 
 @torch.inference_mode()
-@torch.inference_mode()
-def capture_prefill(model, ids: torch.Tensor):
-    """One prefill of ``ids`` into a capture cache (dense K/V and the window queries of every layer)."""
-    from pipeline.kv.cache import VarLenCache
+def capture_prefill(model, ids: torch.Tensor, methods: list[str] = (), budget: int = 64):
+    """One prefill of ``ids`` into a capture cache (dense K/V of every layer and what each method's
+    scorer observes), from which every method's cache is derived. Compressor 0 is a matched SnapKV
+    one whose observed window queries give the base scores; method i is compressor i + 1."""
+    from pipeline.kv.cache import run_chunk
+    from pipeline.kv.capture import CaptureCache
+    from pipeline.kv.compress import Compressor
 
-    capture = VarLenCache(model.config.num_hidden_layers, None, capture_window=MATCHED["window"])
-    pos = torch.arange(ids.shape[1])[None]
-    capture.begin_chunk(pos)
-    model(input_ids=ids, position_ids=pos, cache=capture, varlen_cache=capture, use_cache=True, logits_to_keep=1)
+    compressors = [Compressor(matched_config(m, budget=budget)) for m in ("snapkv", *methods)]
+    capture = CaptureCache(model.config.num_hidden_layers, compressors)
+    run_chunk(model, capture, ids, torch.arange(ids.shape[1])[None], logits_to_keep=1)
+    capture.methods = list(methods)
     return capture
+
+
+def _snapkv_scores_of(layer) -> torch.Tensor:
+    """The matched SnapKV base scores (H, n) of one captured layer (the window queries are the
+    last ``window`` rows of the first compressor's observation)."""
+    from pipeline.kv.scorers.snapkv import snapkv_scores
+
+    window = torch.tensor([MATCHED["window"]])
+    return snapkv_scores(layer.observed[0], layer.key, layer.key_pos, window, MATCHED["kernel"], MATCHED["pooling"],
+                         layer.scaling)[0]
 
 
 @torch.inference_mode()
@@ -63,28 +76,13 @@ def our_kept(model, ids: torch.Tensor, methods: list[str], budget: int, capture=
 
     Returns {method: {"kept": [[sorted positions] per head] per layer, "base_scores": [(H, n)] per layer}}.
     """
-    import pipeline.kv.compress as compress_mod
-    from pipeline.kv.cache import VarLenCache
-    from pipeline.kv.compress import Compressor
-
-    capture = capture if capture is not None else capture_prefill(model, ids)
+    capture = capture if capture is not None else capture_prefill(model, ids, methods, budget)
+    scores = [_snapkv_scores_of(layer) for layer in capture.captured]
     out = {}
-    original = compress_mod.snapkv_scores
+    heads = model.config.num_key_value_heads
     for method in methods:
-        scores: list[torch.Tensor] = []
-
-        def capture_scores(*args, _sink=scores, **kwargs):
-            s = original(*args, **kwargs)
-            _sink.append(s[0].detach().clone())
-            return s
-
-        compress_mod.snapkv_scores = capture_scores
-        try:
-            cache = VarLenCache.from_capture(capture, Compressor(matched_config(method, budget=budget)))
-        finally:
-            compress_mod.snapkv_scores = original
-        layers, heads = cache.num_layers, model.config.num_key_value_heads
-        kept = [[cache.kept_positions(layer, 0, h).tolist() for h in range(heads)] for layer in range(layers)]
+        cache = capture.compressed(1 + capture.methods.index(method))
+        kept = [[cache.kept_positions(layer, 0, h).tolist() for h in range(heads)] for layer in range(cache.num_layers)]
         out[method] = {"kept": kept, "base_scores": scores}
     return out
 
@@ -99,19 +97,18 @@ def kvpress_adakv_rule(capture, layer: int, head: int, budget: int) -> tuple[set
     ``max(floor(0.5 * b_h), window)``). The rules differ only for heads with ``b_h < 2 * n_safe``.
     Returns (kept positions, b_h, n_safe).
     """
-    from pipeline.kv.budgets import adakv_head_budgets
-    from pipeline.kv.criticalkv import OutputProjection, exact_l1_norms
-    from pipeline.kv.scorers import snapkv_scores
+    from pipeline.kv.allocation.adakv import adakv_head_budgets
+    from pipeline.kv.value_norms import OutputProjection, exact_l1_norms
 
-    module, q_tail, key, value, key_pos, scaling = capture.captured[layer]
-    dim = key.shape[3]
-    scores = snapkv_scores(q_tail, key, key_pos, torch.tensor([MATCHED["window"]]), MATCHED["kernel"], MATCHED["pooling"], scaling)
+    captured = capture.captured[layer]
+    module, value, dim = captured.module, captured.value, captured.key.shape[3]
+    scores = _snapkv_scores_of(captured)[None]
     hb = int(adakv_head_budgets(scores, torch.tensor([budget]), MATCHED["alpha_safeguard"])[0, head])
     n_safe = max(1, int(budget * MATCHED["alpha_safeguard"]))
     s = scores[0, head]
     stage1 = min(hb, max(int(hb * MATCHED["first_stage_ratio"]), n_safe))
     first = torch.argsort(s, descending=True, stable=True)[:stage1]
-    proj = OutputProjection.from_weight(module.o_proj.weight, key.shape[1], dim)
+    proj = OutputProjection.from_weight(module.o_proj.weight, captured.key.shape[1], dim)
     crit = (s.clamp(min=0) + MATCHED["epsilon"]) * exact_l1_norms(value[0, head], proj, head)
     crit[first] = float("-inf")
     second = torch.topk(crit, hb - stage1).indices if hb > stage1 else first[:0]
@@ -210,7 +207,7 @@ def section_faithfulness(out: Report, loaded, side: KvpressSide, lengths, cache_
             if dtype != "float32" and n > bf16_max_tokens:
                 continue
             methods = METHODS_UNIFORM + METHODS_HEADWISE if dtype == "float32" else METHODS_UNIFORM
-            capture = capture_prefill(models[dtype], ids)
+            capture = capture_prefill(models[dtype], ids, list(methods), budget)
             ours_by_dtype[dtype] = our_kept(models[dtype], ids, list(methods), budget, capture)
             for method in methods:
                 reply = side.request("kept", ids=ids[0].tolist(), press=press_spec(method, cache_size), dtype=dtype)

@@ -27,9 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import CompressionConfig, GenerationConfig, ModelConfig  # noqa: E402
+from pipeline.kv.config import CompressionConfig  # noqa: E402
+
+from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
 from pipeline.data import read_documents, sample_qa_documents, write_documents  # noqa: E402
-from pipeline.job_config import JobConfig  # noqa: E402
+from pipeline.distributed.config import JobConfig  # noqa: E402
 
 
 def plain_loop(config: JobConfig, docs_path: Path) -> tuple[float, int]:

@@ -336,39 +336,6 @@ def full_norm_flops(shape: ModelShape, n: int, batch: int = 1) -> float:
     return exact_norm_flops(shape, batch * n * shape.kv_heads * shape.layers)
 
 
-# ---------------------------------------------------------------------------------- instrumentation
-@contextlib.contextmanager
-def norm_timer():
-    """Time spent in CriticalKV's norm code (exact L1 norms + Gram bounds) inside this process.
-
-    Wraps ``norms_for_mask`` and ``l1_upper_bounds`` / ``l2_norms`` of ``pipeline.kv.criticalkv``
-    for the duration of the block (benchmark instrumentation only; restored on exit). Yields a dict
-    with ``exact_s``, ``bound_s``.
-    """
-    import pipeline.kv.criticalkv as crit
-
-    acc = {"exact_s": 0.0, "bound_s": 0.0}
-    originals = {name: getattr(crit, name) for name in ("norms_for_mask", "l1_upper_bounds", "l2_norms")}
-
-    def wrap(fn, key):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                acc[key] += time.perf_counter() - t0
-        return timed
-
-    crit.norms_for_mask = wrap(originals["norms_for_mask"], "exact_s")
-    crit.l1_upper_bounds = wrap(originals["l1_upper_bounds"], "bound_s")
-    crit.l2_norms = wrap(originals["l2_norms"], "exact_s")
-    try:
-        yield acc
-    finally:
-        for name, fn in originals.items():
-            setattr(crit, name, fn)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=7)

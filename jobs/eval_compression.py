@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain checkout (ray job submit --working-dir .)
 
-from pipeline.eval.sweep_job import main  # noqa: E402
+from pipeline.apps.eval_sweep import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

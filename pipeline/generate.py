@@ -11,58 +11,80 @@ import json
 import sys
 from pathlib import Path
 
-from .cli_args import add_compression_args, add_generation_args, add_model_args, configs_from_args, fail
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine.config import GenerationConfig, ModelConfig
 from .engine.engine import Engine
 from .engine.loading import ModelNotFoundError
-from .engine.types import Request
+from .engine.types import Answer, Request
+from .kv.config import CompressionConfig
+from .options import OptionParser, fail
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--context-file", required=True, help="text file with the long document ('-' = stdin)")
-    p.add_argument("--question", action="append", required=True, help="question (repeat for several)")
-    p.add_argument("--answer-prefix", default="", help="text the answer starts with")
-    p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
-    add_model_args(p)
-    add_compression_args(p)
-    add_generation_args(p, max_new_tokens=64)
-    return p
+class GenerateRun(BaseModel):
+    """Document"""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context_file: str = Field(description="text file with the long document ('-' = stdin)")
+    question: list[str] = Field(description="question (repeat the flag for several)", json_schema_extra={"repeat": True})
+    answer_prefix: str = Field("", description="text the answer starts with")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+
+
+def build_parser() -> OptionParser:
+    def output_format(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+
+    return OptionParser(GenerateRun, prog="python -m pipeline.generate", description=__doc__.splitlines()[0],
+                        extra_args=output_format)
+
+
+def _read_context(name: str) -> str:
+    if name == "-":
+        return sys.stdin.read()
+    path = Path(name)
+    if not path.is_file():
+        fail(f"invalid --context-file: no such file: {path}")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _describe(answer: Answer, prefix: str) -> str:
+    if answer.error:
+        return f"[{answer.question_id}] error: {answer.error}"
+    kept = answer.kv_bytes_kept / answer.kv_bytes_full if answer.kv_bytes_full else float("nan")
+    return (
+        f"[{answer.question_id}] {prefix}{answer.prediction}\n"
+        f"    context {answer.context_tokens} tok | question {answer.question_tokens} | generated "
+        f"{answer.generated_tokens} | KV kept {answer.kv_entries_kept}/{answer.kv_entries_full} entries, "
+        f"{kept:.1%} of full bytes | ttft {answer.ttft_s:.2f}s (compress {answer.compress_s:.3f}s) | decode "
+        f"{answer.decode_ms_per_token or 0:.1f} ms/tok | peak mem {(answer.peak_memory_bytes or 0) / 2**20:.0f} MiB | "
+        f"{answer.device}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    model_cfg, compression, generation = configs_from_args(args)
-    if args.context_file == "-":
-        context = sys.stdin.read()
-    else:
-        path = Path(args.context_file)
-        if not path.is_file():
-            fail(f"--context-file: no such file: {path}")
-        context = path.read_text(encoding="utf-8", errors="replace")
+    run, args = build_parser().parse(argv)
+    context = _read_context(run.context_file)
     try:
-        engine = Engine.from_config(model_cfg, compression, generation)
-    except (ModelNotFoundError, ValueError) as exc:
-        fail(f"--model: {exc}")
-    request = Request(doc_id=Path(args.context_file).name, context=context, questions=args.question, answer_prefix=args.answer_prefix)
+        engine = Engine.from_config(run.model, run.compression, run.generation)
+    except ModelNotFoundError as exc:
+        fail(f"invalid --model: {exc}")
+    except ValueError as exc:
+        fail(f"invalid {exc}")
+    request = Request(doc_id=Path(run.context_file).name, context=context, questions=run.question,
+                      answer_prefix=run.answer_prefix)
     status = 0
     for answer in engine.generate([request]):
-        row = {"model": model_cfg.name, "method": compression.method, "cache_size": compression.cache_size,
-               "budget": compression.budget, **answer.as_row()}
         status = status or (1 if answer.error else 0)
         if args.json:
+            row = {"model": run.model.name, "method": run.compression.method, "cache_size": run.compression.cache_size,
+                   "budget": run.compression.budget, **answer.as_row()}
             print(json.dumps(row))
-            continue
-        if answer.error:
-            print(f"[{answer.question_id}] error: {answer.error}")
-            continue
-        print(f"[{answer.question_id}] {args.answer_prefix}{answer.prediction}")
-        kept = answer.kv_bytes_kept / answer.kv_bytes_full if answer.kv_bytes_full else float("nan")
-        print(
-            f"    context {answer.context_tokens} tok | question {answer.question_tokens} | generated "
-            f"{answer.generated_tokens} | KV kept {answer.kv_entries_kept}/{answer.kv_entries_full} entries, "
-            f"{kept:.1%} of full bytes | ttft {answer.ttft_s:.2f}s (compress {answer.compress_s:.3f}s) | "
-            f"decode {answer.decode_ms_per_token or 0:.1f} ms/tok | peak mem {answer.peak_memory_bytes / 2**20:.0f} MiB | {answer.device}"
-        )
+        else:
+            print(_describe(answer, run.answer_prefix))
     return status
 
 

@@ -29,13 +29,17 @@ from collections import Counter
 from typing import Any
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.data.schema import DOCUMENT_SCHEMA
 
 
+def _column(default: str | None, description: str, flag: str):
+    return Field(default, description=description, json_schema_extra={"flag": f"{flag}_column"})
+
+
 class ColumnMapping(BaseModel):
-    """Which input columns hold the document id, context, question(s) and optional extras.
+    """Input columns (which columns hold the document id, context, question(s) and optional extras).
 
     Set ``question`` for one question per row, or ``questions`` for a list column per document
     (setting ``questions`` overrides the ``question`` default).
@@ -43,15 +47,20 @@ class ColumnMapping(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: str = "doc_id"
-    context: str = "context"
-    question: str | None = "question"
-    questions: str | None = None
-    answer_prefix: str | None = None
-    reference: str | None = None
-    question_id: str | None = None
-    max_new_tokens: str | None = None
-    task: str | None = None  # evaluation task name carried to the output's ``task`` column
+    id: str = _column("doc_id", "document id (missing: a content hash of the context)", "id")
+    context: str = _column("context", "the long document", "context")
+    question: str | None = _column("question", "one question per row", "question")
+    questions: str | None = _column(None, "a list of questions per row (instead of --question-column)", "questions")
+    answer_prefix: str | None = _column(None, "text the answer starts with (default: an answer_prefix column)",
+                                        "answer_prefix")
+    reference: str | None = _column(None, "reference answer(s) for scoring (default: a reference(s) column)",
+                                    "reference")
+    question_id: str | None = _column(None, "question ids (default: a question_id(s) column, else 0, 1, ...)",
+                                      "question_id")
+    max_new_tokens: str | None = _column(None, "per-row generation limit (default: a max_new_tokens column)",
+                                         "max_new_tokens")
+    task: str | None = _column(None, "evaluation task name, copied to the output's task column (default: a task "
+                                     "column)", "task")
 
     @field_validator("*")
     @classmethod

@@ -1,6 +1,6 @@
 """Versioned Arrow schemas: the output contract (one row per question) and normalised documents.
 
-``OUTPUT_SCHEMA`` is the contract of DESIGN.md "Output contract": its column names and types only
+``OUTPUT_SCHEMA`` is the output contract (docs/ARCHITECTURE.md): its column names and types only
 change together with a bump of :data:`SCHEMA_VERSION`, which is stored in the schema metadata
 (key ``b"pipeline.schema_version"``) and therefore in every Parquet file written with it.
 
@@ -23,49 +23,63 @@ import pyarrow as pa
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_KEY = b"pipeline.schema_version"
 
-_REQUIRED = ("doc_id", "question_id")
-_OUTPUT_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
-    # identity
-    ("doc_id", pa.string()),
-    ("question_id", pa.string()),
-    ("run_id", pa.string()),
-    ("job", pa.string()),
-    ("task", pa.string()),  # evaluation task (RULER task, LongBench dataset); null for plain QA jobs
-    ("model", pa.string()),
-    ("method", pa.string()),
-    ("cache_size", pa.float64()),
-    ("budget", pa.int64()),
-    # text
-    ("prediction", pa.string()),
-    ("reference", pa.list_(pa.string())),
-    ("score", pa.float64()),
-    # tokens
-    ("context_tokens", pa.int64()),
-    ("question_tokens", pa.int64()),
-    ("generated_tokens", pa.int64()),
-    ("truncated_tokens", pa.int64()),
-    # cache
-    ("kv_entries_full", pa.int64()),
-    ("kv_entries_kept", pa.int64()),
-    ("kv_bytes_full", pa.int64()),
-    ("kv_bytes_kept", pa.int64()),
-    # time
-    ("ttft_s", pa.float64()),
-    ("compress_s", pa.float64()),
-    ("decode_s", pa.float64()),
-    ("decode_ms_per_token", pa.float64()),
-    # memory
-    ("peak_memory_bytes", pa.int64()),
-    ("device", pa.string()),
-    # failure
-    ("error", pa.string()),
+# Who fills each column (the single place the output contract is written down):
+#   key      -- the row's identity within a run's output (doc_id, question_id)
+#   job      -- the job, the same on every row of a run (run_id, job, model)
+#   setting  -- the compression setting the row was answered with (method, cache_size, budget)
+#   input    -- copied from the input document (task, reference)
+#   answer   -- the engine's :class:`pipeline.engine.types.Answer` (prediction, tokens, cache, time, memory, error)
+#   eval     -- scoring against the reference (score)
+KEY, JOB, SETTING, INPUT, ANSWER, EVAL = "key", "job", "setting", "input", "answer", "eval"
+_OUTPUT_FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
+    ("doc_id", pa.string(), KEY),
+    ("question_id", pa.string(), KEY),
+    ("run_id", pa.string(), JOB),
+    ("job", pa.string(), JOB),
+    ("task", pa.string(), INPUT),  # evaluation task (RULER task, LongBench dataset); null for plain QA jobs
+    ("model", pa.string(), JOB),
+    ("method", pa.string(), SETTING),
+    ("cache_size", pa.float64(), SETTING),
+    ("budget", pa.int64(), SETTING),
+    ("prediction", pa.string(), ANSWER),
+    ("reference", pa.list_(pa.string()), INPUT),
+    ("score", pa.float64(), EVAL),
+    ("context_tokens", pa.int64(), ANSWER),
+    ("question_tokens", pa.int64(), ANSWER),
+    ("generated_tokens", pa.int64(), ANSWER),
+    ("truncated_tokens", pa.int64(), ANSWER),
+    ("kv_entries_full", pa.int64(), ANSWER),
+    ("kv_entries_kept", pa.int64(), ANSWER),
+    ("kv_bytes_full", pa.int64(), ANSWER),
+    ("kv_bytes_kept", pa.int64(), ANSWER),
+    ("ttft_s", pa.float64(), ANSWER),
+    ("compress_s", pa.float64(), ANSWER),
+    ("decode_s", pa.float64(), ANSWER),
+    ("decode_ms_per_token", pa.float64(), ANSWER),
+    ("peak_memory_bytes", pa.int64(), ANSWER),
+    ("device", pa.string(), ANSWER),
+    ("error", pa.string(), ANSWER),
 )
 
 OUTPUT_SCHEMA: pa.Schema = pa.schema(
-    [pa.field(name, dtype, nullable=name not in _REQUIRED) for name, dtype in _OUTPUT_FIELDS],
+    [pa.field(name, dtype, nullable=role != KEY) for name, dtype, role in _OUTPUT_FIELDS],
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
 OUTPUT_COLUMNS: tuple[str, ...] = tuple(OUTPUT_SCHEMA.names)
+
+
+def columns_filled_by(role: str) -> tuple[str, ...]:
+    """Output column names filled by ``role`` (``KEY``, ``JOB``, ``SETTING``, ``INPUT``, ``ANSWER``, ``EVAL``)."""
+    return tuple(name for name, _, r in _OUTPUT_FIELDS if r == role)
+
+
+def python_type(column: str) -> type:
+    """The Python type of an output column's values (str, int, float or list)."""
+    dtype = OUTPUT_SCHEMA.field(column).type
+    if pa.types.is_list(dtype):
+        return list
+    return {pa.string(): str, pa.int64(): int, pa.float64(): float}[dtype]
+
 
 DOCUMENT_SCHEMA: pa.Schema = pa.schema(
     [
@@ -137,7 +151,7 @@ def rows_to_table(rows: Iterable[Mapping[str, object]]) -> pa.Table:
                 values.append(_coerce(row.get(field.name), field.type))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"row {index}, column {field.name!r}: {exc}") from None
-        if not field.nullable:
+        if not field.nullable:  # the key columns
             missing = [index for index, value in enumerate(values) if value is None]
             if missing:
                 raise ValueError(

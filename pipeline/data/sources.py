@@ -17,7 +17,7 @@ What ``path_or_name`` may be, tried in this order:
 * otherwise, when the string is not an existing path and does not look like one, a hub dataset
   name (``datasets.load_dataset(name, config, split=...)``); failures become :class:`DataSourceError`.
 
-``s3://`` and ``gs://`` URIs (see :mod:`pipeline.storage`) name a Parquet or JSON-lines object, or a
+``s3://`` and ``gs://`` URIs (see :mod:`pipeline.data.locations`) name a Parquet or JSON-lines object, or a
 prefix of Parquet objects, read through pyarrow's filesystems; ``datasets`` directories are read
 from local paths only.
 """
@@ -35,7 +35,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.data.normalise import ColumnMapping, check_duplicate_ids, normalise_batch
-from pipeline.storage import Location, StorageError, is_uri, resolve
+from pipeline.data.locations import Location, StorageError, is_uri, resolve
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -182,7 +182,7 @@ def _read_object_store(uri: str, fields: Collection[str] | None) -> pa.Table:
 
 
 def _pick_split(dataset, split: str | None, where: str):
-    import datasets
+    import datasets  # slow to import; only datasets directories and hub names need it
 
     if isinstance(dataset, datasets.DatasetDict):
         names = list(dataset)
@@ -194,7 +194,7 @@ def _pick_split(dataset, split: str | None, where: str):
     return dataset.with_format("arrow")[:]
 
 
-def _looks_like_path(text: str) -> bool:
+def looks_like_path(text: str) -> bool:
     """Hub names are ``name`` or ``owner/name``; anything else is meant as a local path."""
     return (
         text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1
@@ -219,7 +219,7 @@ def read_table(
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         if is_datasets_dir(resolve(path)):
-            import datasets
+            import datasets  # slow to import; only datasets directories and hub names need it
 
             try:
                 loaded = datasets.load_from_disk(str(path))
@@ -230,10 +230,10 @@ def read_table(
     if path.is_file():
         return _read_file(resolve(path), fields)
     name = str(path_or_name)
-    if _looks_like_path(name):
+    if looks_like_path(name):
         raise FileNotFoundError(f"input not found: {name}")
     try:
-        import datasets
+        import datasets  # slow to import; only datasets directories and hub names need it
 
         loaded = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # noqa: BLE001 - hub/network/format failures all mean the same to a user

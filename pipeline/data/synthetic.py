@@ -4,7 +4,7 @@ Everything is generated from word lists and sentence templates with ``random.Ran
 same arguments always give the same documents, nothing is downloaded. Documents are dicts with the
 normalised columns (``DOCUMENT_COLUMNS``), ready for ``pa.Table.from_pylist(docs, DOCUMENT_SCHEMA)``.
 
-QA documents cycle through four RULER-style needle layouts (DESIGN.md "Evaluation data offline"):
+QA documents cycle through four RULER-style needle layouts:
 
 ``single``      one needle, one question
 ``multikey``    three needles for three cities, one question asking for all three numbers

@@ -3,7 +3,7 @@
 ``run_job(JobConfig)`` does, in this order (everything that can be wrong with the configuration
 fails before Ray starts, with :class:`JobConfigError` naming the field):
 
-Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipeline.storage`).
+Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipeline.data.locations`).
 
 1. **Output check**: ``output`` must be a new directory, an empty one, or one written by an
    earlier run of the *same* configuration (its ``manifest.json`` records the settings that define
@@ -44,44 +44,25 @@ user can inspect, and works the same for in-memory (driver-normalised) inputs.
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import ray
 
-from pipeline.data.normalise import normalise_batch
 from pipeline.data.schema import SCHEMA_VERSION
 from pipeline.distributed import sink
-from pipeline.distributed.inputs import (
-    add_instruction_column,
-    apply_instruction,
-    check_ray_input,
-    choose_normalise,
-    drop_done,
-    input_location,
-    instruction_mapping,
-    load_documents,
-)
-from pipeline.distributed.rundir import (  # noqa: F401 - re-exported: JobConfigError, MANIFEST, DATA_DIR
-    DATA_DIR,
-    LOCK,
-    MANIFEST,
-    JobConfigError,
-    OutputDir,
-    _cluster_gpus,
-    _host,
-    _now,
-    _versions,
-    _write_json,
-    new_run_id,
-)
-from pipeline.job_config import JobConfig
-from pipeline.summary import RunSummary, format_summary, summarize
+from pipeline.distributed.cluster import check_model, check_resources, cluster_gpus, ensure_ray, ray_facts
+from pipeline.distributed.config import JobConfig
+from pipeline.distributed.dataset import build_dataset
+from pipeline.distributed.inputs import check_ray_input, choose_normalise, load_documents
+from pipeline.distributed.predictor import ScoreFunction, setting_of
+from pipeline.distributed.rundir import DATA_DIR, JobConfigError, OutputDir, host_facts, new_run_id, now_iso, versions
+from pipeline.distributed.summary import RunSummary, format_summary, summarize
+from pipeline.engine.types import row_question_ids
 
-logger = logging.getLogger(__name__)
+__all__ = ["JobConfigError", "JobFailed", "RunResult", "run_job"]
 
 
 class JobFailed(RuntimeError):
@@ -106,266 +87,149 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
 
-def check_model(config: JobConfig) -> None:
-    """Fail fast on a model that cannot be found -- only where the actors will run on this machine
-    (a local Ray); on a cluster the path may exist on the workers only."""
-    if config.engine_factory is not None or config.ray_address or os.environ.get("RAY_ADDRESS"):
-        return
-    from pipeline.engine.loading import (
-        SHORT_NAMES,
-        ModelNotFoundError,
-        bundled_gguf,
-        resolve_model_path,
-    )
-
-    try:
-        if config.model.name.lower() in SHORT_NAMES:
-            bundled_gguf(config.model.name.lower())
-        else:
-            resolve_model_path(config.model)  # for paths: checks files only; hub ids: nothing to check offline
-    except ModelNotFoundError as exc:
-        raise JobConfigError("model.name", str(exc)) from exc
-
-
-# ---------------------------------------------------------------------- ray
-def ensure_ray(config: JobConfig) -> tuple[bool, str]:
-    """Connect to (or start) Ray; returns (started here, address description)."""
-    import ray
-
-    if ray.is_initialized():
-        return False, "already initialised in this process"
-    address = config.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return False, address
-    # workers import pipeline (and an engine_factory module) the way this driver does, installed or not
-    import pipeline
-
-    paths = [str(Path(pipeline.__file__).resolve().parents[1]), os.getcwd(), os.environ.get("PYTHONPATH", "")]
-    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
-    return True, "local (started by this job)"
-
-
-def _check_resources(config: JobConfig, started_here: bool) -> float:
-    """Resolve cpus per actor and fail fast when a local Ray cannot ever schedule an actor."""
-    import ray
-
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    max_cpus = max((r.get("CPU", 0.0) for r in nodes), default=0.0)
-    max_gpus = max((r.get("GPU", 0.0) for r in nodes), default=0.0)
-    cpus = config.resolved_cpus_per_actor(max_cpus or None)
-    problems = []
-    if cpus > max_cpus:
-        problems.append(("cpus_per_actor", f"{cpus:g} CPUs per actor, but the largest node has {max_cpus:g}"))
-    if config.gpus_per_actor > max_gpus:
-        problems.append(("gpus_per_actor", f"{config.gpus_per_actor:g} GPUs per actor, but the largest node has {max_gpus:g}"))
-    for field_name, message in problems:
-        if started_here:
-            raise JobConfigError(field_name, message)
-        logger.warning("%s: %s (waiting for the cluster to scale up)", field_name, message)
-    return cpus
-
-
-def _blocks(table: pa.Table, batch_size: int) -> list[pa.Table]:
-    """One block per actor batch; documents of similar length batched together."""
-    order = list(range(table.num_rows))
-    if batch_size > 1 and table.num_rows > 1:
-        lengths = [len(c) if c else 0 for c in table.column("context").to_pylist()]
-        order.sort(key=lambda i: lengths[i])
-    # take() copies: each block owns its buffers (a slice would ship the whole table's buffers)
-    return [table.take(pa.array(order[i:i + batch_size], pa.int64())) for i in range(0, len(order), batch_size)]
-
-
-def build_dataset(config: JobConfig, docs: pa.Table | None, done: dict[str, list[str]], run_id: str, cpus: float):
-    """The lazy Ray Dataset: documents → Predictor rows (not executed yet)."""
-    import ray
-    from ray.data import ActorPoolStrategy
-
-    from pipeline.distributed.predictor import Predictor
-
-    if docs is not None:
-        blocks = _blocks(docs, config.batch_size)
-        # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
-        ds = ray.data.from_blocks(blocks) if hasattr(ray.data, "from_blocks") else ray.data.from_arrow(blocks)
-    else:
-        location = input_location(config)
-        cols = check_ray_input(config)
-        ds = ray.data.read_parquet(location.path, filesystem=location.fs, file_extensions=["parquet", "pq"])
-        mapping = config.columns
-        if config.instruction is not None:
-            ds = ds.map_batches(add_instruction_column, fn_kwargs={"instruction": config.instruction},
-                                batch_format="pyarrow")
-            mapping = instruction_mapping(config)
-        if cols["listed"]:
-            ds = ds.map_batches(normalise_batch, fn_kwargs={"mapping": mapping}, batch_format="pyarrow")
-        else:
-            ds = ds.groupby(cols["id"]).map_groups(normalise_batch, fn_kwargs={"mapping": mapping},
-                                                   batch_format="pyarrow")
-        if config.instruction is not None:
-            ds = ds.map_batches(apply_instruction, fn_kwargs={"instruction": config.instruction},
-                                batch_format="pyarrow")
-        ds = ds.map_batches(drop_done, fn_kwargs={"done": done}, batch_format="pyarrow")
-    row_fields = {
-        "run_id": run_id, "job": config.job, "model": config.model.name, "method": config.compression.method,
-        "cache_size": config.compression.cache_size, "budget": config.compression.budget,
-    }
-    gpu_args = {"num_gpus": config.gpus_per_actor} if config.gpus_per_actor > 0 else {}
-    return ds.map_batches(
-        Predictor,
-        fn_constructor_kwargs={
-            "model": config.model.model_dump(mode="json"),
-            "compression": config.compression.model_dump(mode="json"),
-            "generation": config.generation.model_dump(mode="json"),
-            "row_fields": row_fields,
-            "engine_factory": config.engine_factory,
-            "faults": config.faults.model_dump(mode="json"),
-            "sweep": [c.model_dump(mode="json") for c in config.sweep],
-            "oom_retry_cache_size": config.oom_retry_cache_size,
-        },
-        compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
-        num_cpus=cpus,
-        batch_size=config.batch_size,
-        batch_format="pyarrow",
-        **gpu_args,
-    )
-
-
-# ---------------------------------------------------------------------- the job
-def _finish_manifest_quickly(out: OutputDir, manifest: dict, run: dict, exc: BaseException, status: str) -> None:
-    run.update({"status": status, "ended_at": _now(), "error": f"{type(exc).__name__}: {exc}"[:4000]})
-    manifest["updated_at"] = _now()
-    _write_json(out.manifest_location, manifest)
-
-
-def run_job(config: JobConfig, *, echo: bool = True) -> RunResult:
-    """Run (or resume) a batch job; see the module docstring. Prints the summary when ``echo``."""
+def run_job(config: JobConfig, *, echo: bool = True, score: ScoreFunction | None = None) -> RunResult:
+    """Run (or resume) a batch job; see the module docstring. Prints the summary when ``echo``;
+    ``score(task, prediction, references)`` fills the ``score`` column of answers with references."""
     t0 = time.perf_counter()
-    run_id = new_run_id()
     out = OutputDir(config.output)
-    manifest = out.check(config)
+    out.check(config)
     mode = choose_normalise(config)
     docs = load_documents(config) if mode == "driver" else None
     if mode == "ray":
         check_ray_input(config)
-    try:
-        import ray
-
-        ray_running = ray.is_initialized()
-    except ImportError:  # pragma: no cover
-        ray_running = False
-    if not ray_running:
+    if not ray.is_initialized():
         check_model(config)
-
     out.lock()
     try:
-        return _run_locked(config, out, manifest, docs, mode, run_id, t0, echo)
+        return _Run(config, out, mode, t0, score).execute(docs, echo)
     finally:
         out.unlock()
 
 
-def _run_locked(config, out: OutputDir, manifest, docs, mode, run_id, t0, echo) -> RunResult:
-    manifest = out.check(config)  # again, now that no other run can change the directory
-    out.data_location.makedirs()
-    debris = sink.remove_debris(out.data_location)
-    if manifest is None:
-        manifest = {
-            "schema_version": SCHEMA_VERSION, "job": config.job, "output": out.location.uri, "data": DATA_DIR,
-            "identity": config.identity(), "fingerprint": config.fingerprint(), "created_at": _now(), "runs": [],
-        }
-    for old in manifest["runs"]:
-        if old.get("status") == "running":  # its driver died without updating the manifest
-            old["status"] = "interrupted"
-    committed = sink.committed_state(out.data_location)
-    state = committed.succeeded if config.retry_errors else committed.answered
+class _Run:
+    """One run into a locked output directory: schedule what is not committed, run Ray, check, record."""
 
-    expected_keys: set[tuple[str, str]] | None = None
-    docs_input = docs_skipped = docs_scheduled = None
-    if docs is not None:
+    def __init__(self, config: JobConfig, out: OutputDir, mode: str, t0: float, score: ScoreFunction | None) -> None:
+        self.config, self.out, self.mode, self.t0, self.score = config, out, mode, t0, score
+        self.run_id = new_run_id()
+        self.settings = [setting_of(c) for c in config.sweep]
+        self.ray_info: dict = {}
+
+    def execute(self, docs: pa.Table | None, echo: bool) -> RunResult:
+        manifest = self._open_manifest()
+        committed = sink.committed_state(self.out.data_location)
+        expected, docs, counts = self._schedule(docs, committed)
+        run = self._start_record(manifest, committed, counts)
+        error = self._run_ray(docs, committed, manifest, run)
+        return self._finish(manifest, run, committed, expected, counts, error, echo)
+
+    def _open_manifest(self) -> dict:
+        manifest = self.out.check(self.config)  # again, now that no other run can change the directory
+        self.out.data_location.makedirs()
+        self.debris = sink.remove_debris(self.out.data_location)
+        if manifest is None:
+            manifest = {
+                "schema_version": SCHEMA_VERSION, "job": self.config.job, "output": self.out.location.uri,
+                "data": DATA_DIR, "identity": self.config.identity(), "fingerprint": self.config.fingerprint(),
+                "created_at": now_iso(), "runs": [],
+            }
+        for old in manifest["runs"]:
+            if old.get("status") == "running":  # its driver died without updating the manifest
+                old["status"] = "interrupted"
+        return manifest
+
+    def _schedule(self, docs: pa.Table | None, committed: sink.Committed):
+        """Expected row keys and the documents still to do (driver-normalised inputs only)."""
+        if docs is None:
+            return None, None, {"docs_input": None, "docs_skipped": None, "docs_scheduled": None}
         doc_ids = docs.column("doc_id").to_pylist()
-        qids = docs.column("question_ids").to_pylist()
-        expected_keys = {(d, q) for d, qs in zip(doc_ids, qids) for q in qs}
-        keep = [not committed.done(d, qs, config.retry_errors) for d, qs in zip(doc_ids, qids)]
+        keys = [row_question_ids(qs, self.settings) for qs in docs.column("question_ids").to_pylist()]
+        expected = {(d, k) for d, ks in zip(doc_ids, keys) for k in ks}
+        keep = [not committed.done(d, ks, self.config.retry_errors) for d, ks in zip(doc_ids, keys)]
         docs = docs.filter(pa.array(keep, pa.bool_()))
-        docs_input, docs_scheduled = len(doc_ids), docs.num_rows
-        docs_skipped = docs_input - docs_scheduled
-    run = {
-        "run_id": run_id, "status": "running", "started_at": _now(), "ended_at": None,
-        "config": config.model_dump(mode="json"), "normalise": mode, "host": _host(), "versions": _versions(),
-        "gpu": {}, "temporary_files_removed": debris,
-        "rows": {"committed_before": committed.rows, "docs_input": docs_input, "docs_skipped": docs_skipped,
-                 "docs_scheduled": docs_scheduled},
-    }
-    manifest["runs"].append(run)
-    manifest["updated_at"] = _now()
-    _write_json(out.manifest_location, manifest)
+        counts = {"docs_input": len(doc_ids), "docs_skipped": len(doc_ids) - docs.num_rows,
+                  "docs_scheduled": docs.num_rows}
+        return expected, docs, counts
 
-    ray_info: dict = {}
-    error: BaseException | None = None
-    started_here = False
-    try:
-        if docs is None or docs.num_rows > 0:
-            import ray
+    def _start_record(self, manifest: dict, committed: sink.Committed, counts: dict) -> dict:
+        run = {
+            "run_id": self.run_id, "status": "running", "started_at": now_iso(), "ended_at": None,
+            "config": self.config.model_dump(mode="json"), "normalise": self.mode, "host": host_facts(),
+            "versions": versions(), "gpu": {}, "temporary_files_removed": self.debris,
+            "rows": {"committed_before": committed.rows, **counts},
+        }
+        manifest["runs"].append(run)
+        self._write(manifest)
+        return run
 
-            started_here, address = ensure_ray(config)
-            try:
-                cpus = _check_resources(config, started_here)
-                resources = ray.cluster_resources()
-                run["gpu"]["cluster"] = _cluster_gpus()
-                ray_info = {"address": address, "version": ray.__version__,
-                            "cluster_cpus": resources.get("CPU"), "cluster_gpus": resources.get("GPU", 0.0),
-                            "cpus_per_actor": cpus, "gpus_per_actor": config.gpus_per_actor,
-                            "actors": [config.min_actors, config.max_actors]}
-                done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
-                ds = build_dataset(config, docs, done, run_id, cpus)
-                ds.write_datasink(sink.AtomicParquetDatasink(out.data_location, run_id, config.rows_per_file),
-                                  ray_remote_args={"num_cpus": 0})
-            finally:
-                if started_here:
-                    ray.shutdown()
-    except JobConfigError as exc:
-        _finish_manifest_quickly(out, manifest, run, exc, "failed")
-        raise
-    except BaseException as exc:  # noqa: BLE001 - recorded in the manifest, then re-raised
-        error = exc
-        if not isinstance(exc, Exception):  # KeyboardInterrupt / SystemExit: record, then propagate
-            _finish_manifest_quickly(out, manifest, run, exc, "interrupted")
+    def _write(self, manifest: dict) -> None:
+        manifest["updated_at"] = now_iso()
+        self.out.write_manifest(manifest)
+
+    def _run_ray(self, docs, committed: sink.Committed, manifest: dict, run: dict) -> BaseException | None:
+        """Run the Ray pipeline; returns the error of a failed run (re-raises config errors and interrupts)."""
+        if docs is not None and docs.num_rows == 0:
+            return None
+        state = committed.succeeded if self.config.retry_errors else committed.answered
+        started_here = False
+        try:
+            started_here, address = ensure_ray(self.config)
+            cpus = check_resources(self.config, started_here)
+            run["gpu"]["cluster"] = cluster_gpus()
+            self.ray_info = ray_facts(self.config, address, cpus)
+            done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
+            ds = build_dataset(self.config, docs, done, self.run_id, cpus, self.score)
+            ds.write_datasink(sink.AtomicParquetDatasink(self.out.data_location, self.run_id, self.config.rows_per_file),
+                              ray_remote_args={"num_cpus": 0})
+        except JobConfigError as exc:
+            self._end_early(manifest, run, exc, "failed")
             raise
+        except BaseException as exc:  # noqa: BLE001 - recorded in the manifest, then re-raised
+            if not isinstance(exc, Exception):  # KeyboardInterrupt / SystemExit: record, then propagate
+                self._end_early(manifest, run, exc, "interrupted")
+                raise
+            return exc
+        finally:
+            if started_here:
+                ray.shutdown()
+        return None
 
-    removed = sink.dedupe(out.data_location, run_id)
-    final = sink.committed_state(out.data_location)
-    missing = None
-    if expected_keys is not None:
-        missing = sum(1 for d, q in expected_keys if q not in final.answered.get(d, ()))
-    this_run = sink.read_committed(out.data_location, run_id)
-    wall = time.perf_counter() - t0
-    summary = summarize(this_run, wall, out.data_location.uri, config.compression.query_aware, rows_skipped=committed.rows)
-    devices = sorted({d for d in this_run.column("device").to_pylist() if d})
-    run.update({
-        "status": "failed" if error is not None else "completed", "ended_at": _now(), "wall_s": round(wall, 3),
-        "ray": ray_info, "error": None if error is None else f"{type(error).__name__}: {error}"[:4000],
-    })
-    run["gpu"]["actor_devices"] = devices
-    run["rows"].update({"written": this_run.num_rows, "ok": summary.rows_ok, "failed": summary.rows_failed,
-                        "duplicates_removed": removed, "missing": missing, "committed_total": final.rows})
-    run["summary"] = summary.as_dict()
-    manifest["updated_at"] = _now()
-    manifest["totals"] = {"rows": final.rows, "docs": len(final.answered),
-                          "rows_with_error": final.rows - sum(len(v) for v in final.succeeded.values())}
-    _write_json(out.manifest_location, manifest)
-    if error is not None:
-        detail = str(error).strip().splitlines()
-        raise JobFailed(
-            f"run {run_id} failed after committing {this_run.num_rows} rows ({type(error).__name__}: "
-            f"{' '.join(detail[:3])[:600]}); details in {out.manifest_location}; rerun the same command to resume"
-        ) from error
-    if echo:
-        print(format_summary(summary, f"{config.job} run {run_id}"), flush=True)
-        if missing:
-            print(f"WARNING: {missing} expected rows are missing from {out.data_location}", flush=True)
-    return RunResult(
-        run_id=run_id, output_dir=out.path, data_dir=out.data, manifest_path=out.manifest_path,
-        docs_input=docs_input, docs_skipped=docs_skipped or 0, docs_scheduled=docs_scheduled,
-        rows_written=this_run.num_rows, duplicates_removed=removed, missing_rows=missing, summary=summary,
-        total_rows=final.rows, wall_s=wall, extra={"ray": ray_info, "normalise": mode},
-    )
+    def _end_early(self, manifest: dict, run: dict, exc: BaseException, status: str) -> None:
+        run.update({"status": status, "ended_at": now_iso(), "error": f"{type(exc).__name__}: {exc}"[:4000]})
+        self._write(manifest)
+
+    def _finish(self, manifest, run, committed, expected, counts, error, echo) -> RunResult:
+        data = self.out.data_location
+        removed = sink.dedupe(data, self.run_id)
+        final = sink.committed_state(data)
+        missing = None if expected is None else sum(1 for d, q in expected if q not in final.answered.get(d, ()))
+        this_run = sink.read_committed(data, self.run_id)
+        wall = time.perf_counter() - self.t0
+        summary = summarize(this_run, wall, data.uri, self.config.compression.query_aware, rows_skipped=committed.rows)
+        run.update({
+            "status": "failed" if error is not None else "completed", "ended_at": now_iso(), "wall_s": round(wall, 3),
+            "ray": self.ray_info, "error": None if error is None else f"{type(error).__name__}: {error}"[:4000],
+        })
+        run["gpu"]["actor_devices"] = sorted({d for d in this_run.column("device").to_pylist() if d})
+        run["rows"].update({"written": this_run.num_rows, "ok": summary.rows_ok, "failed": summary.rows_failed,
+                            "duplicates_removed": removed, "missing": missing, "committed_total": final.rows})
+        run["summary"] = summary.as_dict()
+        manifest["totals"] = {"rows": final.rows, "docs": len(final.answered),
+                              "rows_with_error": final.rows - sum(len(v) for v in final.succeeded.values())}
+        self._write(manifest)
+        if error is not None:
+            detail = " ".join(str(error).strip().splitlines()[:3])[:600]
+            raise JobFailed(f"run {self.run_id} failed after committing {this_run.num_rows} rows ({type(error).__name__}: "
+                            f"{detail}); details in {self.out.manifest_location}; rerun the same command to resume"
+                            ) from error
+        if echo:
+            print(format_summary(summary, f"{self.config.job} run {self.run_id}"), flush=True)
+            if missing:
+                print(f"WARNING: {missing} expected rows are missing from {data}", flush=True)
+        return RunResult(
+            run_id=self.run_id, output_dir=self.out.path, data_dir=self.out.data, manifest_path=self.out.manifest_path,
+            docs_input=counts["docs_input"], docs_skipped=counts["docs_skipped"] or 0,
+            docs_scheduled=counts["docs_scheduled"], rows_written=this_run.num_rows, duplicates_removed=removed,
+            missing_rows=missing, summary=summary, total_rows=final.rows, wall_s=wall,
+            extra={"ray": self.ray_info, "normalise": self.mode},
+        )

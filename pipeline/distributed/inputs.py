@@ -4,12 +4,13 @@ Built-in samples, an input read and normalised on the driver (``load_documents``
 input that Ray reads and normalises itself (``check_ray_input`` checks its schema first);
 ``choose_normalise`` picks between the two (see :mod:`pipeline.distributed.driver`, step 2).
 Summaries turn the instruction into every document's only question. Local paths and
-``s3://`` / ``gs://`` URIs (:mod:`pipeline.storage`) are read the same way.
+``s3://`` / ``gs://`` URIs (:mod:`pipeline.data.locations`) are read the same way.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from pipeline.data.normalise import check_duplicate_ids, normalise_batch
@@ -22,9 +23,10 @@ from pipeline.data.sources import (
     read_table,
 )
 from pipeline.data.synthetic import sample_qa_documents, sample_summarization_documents
+from pipeline.distributed.config import JobConfig
 from pipeline.distributed.rundir import JobConfigError
-from pipeline.job_config import JobConfig
-from pipeline.storage import Location, StorageError, resolve
+from pipeline.engine.types import Setting, row_question_ids
+from pipeline.data.locations import Location, StorageError, resolve
 
 DRIVER_NORMALISE_MAX_BYTES = 256 * 2**20  # larger Parquet inputs are normalised in Ray
 INSTRUCTION_COLUMN = "__instruction__"
@@ -126,8 +128,6 @@ def load_documents(config: JobConfig) -> pa.Table:
 
 def check_ray_input(config: JobConfig) -> dict:
     """Schema-only checks for ``normalise="ray"``; returns the resolved column roles."""
-    import pyarrow.dataset as pads
-
     location = input_location(config)
     try:
         schema = pads.dataset(location.path, filesystem=location.fs, format="parquet",
@@ -147,11 +147,13 @@ def check_ray_input(config: JobConfig) -> dict:
     return cols
 
 
-def drop_done(table: pa.Table, done: dict[str, list[str]]) -> pa.Table:
-    """Ray-side resume filter: keep documents that still miss a committed row."""
+def drop_done(table: pa.Table, done: dict[str, list[str]], sweep: list[dict] | None = None) -> pa.Table:
+    """Ray-side resume filter: keep documents that still miss a committed row (``sweep``: the swept
+    settings' :class:`~pipeline.engine.types.Setting` fields, whose row keys a document must all have)."""
     if not done:
         return table
-    keep = [not (doc_id in done and set(qids) <= set(done[doc_id]))
+    settings = [Setting(**s) for s in sweep or []]
+    keep = [not (doc_id in done and set(row_question_ids(qids, settings)) <= set(done[doc_id]))
             for doc_id, qids in zip(table.column("doc_id").to_pylist(), table.column("question_ids").to_pylist())]
     return table.filter(pa.array(keep, pa.bool_()))
 

@@ -2,7 +2,7 @@
 (versions, host, GPUs). Split from :mod:`pipeline.distributed.driver`, which drives the run.
 
 The directory is a local path or an object-storage prefix (``s3://``, ``gs://``; see
-:mod:`pipeline.storage`). The manifest is replaced atomically on both. The run lock (``OUT/.lock``,
+:mod:`pipeline.data.locations`). The manifest is replaced atomically on both. The run lock (``OUT/.lock``,
 an ``flock``) exists only on local filesystems: object stores offer no lock, so two jobs started at
 the same moment into the same prefix are not stopped; they still lose no rows (the sink's names are
 per run, and the next run's dedupe keeps one row per key), but they do the work twice.
@@ -20,10 +20,11 @@ import platform
 import socket
 import sys
 import uuid
+from importlib import metadata
 
 from pipeline.data.schema import SCHEMA_VERSION
-from pipeline.job_config import JobConfig, identity_differences
-from pipeline.storage import Location, StorageError, resolve
+from pipeline.distributed.config import JobConfig, identity_differences
+from pipeline.data.locations import Location, StorageError, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,8 @@ class JobConfigError(ValueError):
         self.message = message
 
 
-
 # ---------------------------------------------------------------------- helpers
-def _now() -> str:
+def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -55,9 +55,7 @@ def _write_json(location: Location, data: dict) -> None:
     location.write_bytes((json.dumps(data, indent=2, default=str) + "\n").encode())
 
 
-def _versions() -> dict:
-    from importlib import metadata
-
+def versions() -> dict:
     out = {"python": sys.version.split()[0]}
     for dist in ("criticalkv-pipeline", "torch", "transformers", "ray", "pyarrow", "pydantic", "accelerate", "gguf"):
         try:
@@ -67,26 +65,13 @@ def _versions() -> dict:
     return out
 
 
-def _host() -> dict:
+def host_facts() -> dict:
     try:
         user = getpass.getuser()
     except Exception:  # noqa: BLE001 - containers without a passwd entry
         user = None
     return {"hostname": socket.gethostname(), "platform": platform.platform(), "pid": os.getpid(),
             "user": user, "cwd": os.getcwd(), "argv": sys.argv}
-
-
-def _cluster_gpus() -> list[dict]:
-    """GPUs per alive Ray node (count and Ray's detected accelerator type), without importing torch."""
-    import ray
-
-    out = []
-    for node in ray.nodes():
-        resources = node.get("Resources", {})
-        if node.get("Alive") and resources.get("GPU"):
-            kinds = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
-            out.append({"node": node.get("NodeManagerAddress"), "gpus": resources["GPU"], "type": kinds or None})
-    return out
 
 
 # ---------------------------------------------------------------------- output directory
@@ -114,6 +99,10 @@ class OutputDir:
     @property
     def manifest_path(self):
         return self.manifest_location.native()
+
+    def write_manifest(self, manifest: dict) -> None:
+        """Replace ``manifest.json`` (atomically, see :meth:`pipeline.data.locations.Location.write_bytes`)."""
+        _write_json(self.manifest_location, manifest)
 
     def load_manifest(self) -> dict | None:
         try:

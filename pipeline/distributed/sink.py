@@ -5,7 +5,7 @@ Layout of ``OUT/data/``:
 * ``part-<run_id>-<digest>.parquet``: committed files. On a local filesystem each is written
   completely under a hidden temporary name (``.tmp-...``) in the same directory, flushed to disk and
   then renamed, so a file with a committed name is always whole. On object storage (``s3://``,
-  ``gs://``; see :mod:`pipeline.storage`) the file is uploaded under its final key in one request:
+  ``gs://``; see :mod:`pipeline.data.locations`) the file is uploaded under its final key in one request:
   an object appears whole when its upload completes, or not at all (an upload killed part-way is
   invisible and never becomes an object), so no temporary name is needed. ``<digest>`` hashes the
   (doc_id, question_id) keys the file holds, so a write task that Ray retries after it already
@@ -25,41 +25,22 @@ from __future__ import annotations
 
 import hashlib
 import os
-import uuid
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
+from ray.data import Datasink
+from ray.data.block import BlockAccessor
 
 from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
-from pipeline.storage import Location, resolve
+from pipeline.data.locations import TMP_PREFIX, Location, fsync_directory, resolve
 
-try:  # Ray is needed only for the datasink; the bookkeeping below is plain pyarrow.
-    from ray.data import Datasink
-    from ray.data.block import BlockAccessor
-except ImportError:  # pragma: no cover - ray is a dependency of the package
-    Datasink = object  # type: ignore[assignment,misc]
-    BlockAccessor = None  # type: ignore[assignment]
 
-TMP_PREFIX = ".tmp-"
 PART_PREFIX = "part-"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def conform(table: pa.Table) -> pa.Table:
@@ -80,22 +61,9 @@ def commit_table(table: pa.Table, data_dir: str | os.PathLike | Location, run_id
     data = resolve(data_dir)
     table = conform(table)
     final = data.child(f"{PART_PREFIX}{run_id}-{key_digest(table)}.parquet")
-    if not data.is_local:
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
-        final.write_bytes(sink.getvalue().to_pybytes())
-        return final
-    tmp = Path(data.path) / f"{TMP_PREFIX}{Path(final.path).stem}-{uuid.uuid4().hex[:8]}.parquet"
-    try:
-        with open(tmp, "wb") as handle:
-            pq.write_table(table, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, final.path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(Path(data.path))
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    final.write_bytes(buffer.getvalue().to_pybytes())  # atomic: temp name + fsync + rename, or one upload
     return final
 
 
@@ -244,14 +212,12 @@ def dedupe(data_dir: str | os.PathLike | Location, run_id: str) -> int:
         else:
             location.delete()
     if removed and data_dir.is_local:
-        _fsync_dir(Path(data_dir.path))
+        fsync_directory(data_dir.path)
     return removed
 
 
 def read_committed(data_dir: str | os.PathLike | Location, run_id: str | None = None) -> pa.Table:
     """All committed rows (optionally only those of one run) as an output-schema table."""
-    import pyarrow.dataset as pads
-
     locations = committed_files(data_dir)
     if not locations:
         return OUTPUT_SCHEMA.empty_table()

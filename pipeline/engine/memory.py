@@ -3,7 +3,7 @@
 CUDA: the allocator's peak (``torch.cuda.max_memory_allocated``) since the last reset.
 CPU: the process' peak resident set size (``VmHWM``) since the last reset; Linux lets a process
 reset it by writing ``5`` to ``/proc/self/clear_refs``. Where that is not possible the value is
-the peak since process start (documented in the ``device`` column as ``cpu(rss-since-start)``).
+the peak since process start.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.peak_bytes: int | None = None
-        self.resettable = True
 
     def __enter__(self) -> "PeakMemory":
         if self.device.type == "cuda":
@@ -30,8 +29,8 @@ class PeakMemory:
             try:
                 with open("/proc/self/clear_refs", "w") as fh:
                     fh.write("5")
-            except OSError:
-                self.resettable = False
+            except OSError:  # not Linux, or not allowed: the peak is then the process' peak since start
+                pass
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,8 +1,16 @@
-"""Plain request/answer records exchanged between the engine and its callers (driver, CLI, eval)."""
+"""Plain request/answer records exchanged between the engine and its callers (driver, CLI, eval).
+
+:class:`Answer`'s fields are generated from the output contract: the key columns and every column
+the schema marks as filled by the engine (:func:`pipeline.data.schema.columns_filled_by`
+``ANSWER``), so adding an engine column to the schema adds it here and to every output row.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import dataclass
+
+from ..data.schema import ANSWER, KEY, columns_filled_by, python_type
 
 
 @dataclass
@@ -12,7 +20,7 @@ class Request:
     The context is prefilled once; every question is answered from that same cache, its tokens
     positioned after the full original context. ``answer_prefix`` (e.g. ``"The answer is"``) is
     placed after the chat template's assistant header and counted in the question tokens.
-    ``instruction`` requests (summaries) use an empty question list and ``questions=[instruction]``.
+    Summaries give the instruction as the only question.
     """
 
     doc_id: str
@@ -31,36 +39,53 @@ class Request:
             )
 
 
-@dataclass
-class Answer:
-    """One answered question with what it cost (column names follow the output contract)."""
+@dataclass(frozen=True)
+class Setting:
+    """The compression setting an answer was produced with, when it is not the job's own
+    (a sweep's settings; an out-of-memory retry at a smaller cache size). It fills the output's
+    ``method`` / ``cache_size`` / ``budget`` columns and, in sweeps, qualifies the question id."""
 
-    doc_id: str
-    question_id: str
-    prediction: str | None = None
-    context_tokens: int = 0
-    question_tokens: int = 0
-    generated_tokens: int = 0
-    kv_entries_full: int = 0
-    kv_entries_kept: int = 0
-    kv_bytes_full: int = 0
-    kv_bytes_kept: int = 0
-    ttft_s: float | None = None
-    compress_s: float | None = None
-    decode_s: float | None = None
-    decode_ms_per_token: float | None = None
-    peak_memory_bytes: int | None = None
-    device: str = ""
-    truncated_tokens: int = 0
-    cache_size: float | None = None  # set when this row used another cache size (OOM retry)
-    error: str | None = None
-    extra: dict = field(default_factory=dict)
+    method: str
+    cache_size: float
+    budget: int | None = None
 
-    def as_row(self) -> dict:
-        """Output-contract columns of this answer (``extra`` is for in-process callers only;
-        ``cache_size`` appears only when it differs from the job's, i.e. after an OOM retry)."""
-        row = asdict(self)
-        row.pop("extra")
-        if row["cache_size"] is None:
-            row.pop("cache_size")
-        return row
+    @property
+    def label(self) -> str:
+        return f"{self.method}@{self.cache_size:g}" + (f"/b{self.budget}" if self.budget is not None else "")
+
+    def question_id(self, base: str) -> str:
+        """The output row key of question ``base`` answered with this setting (sweeps)."""
+        return f"{base}|{self.method}|{self.cache_size:g}" + (f"|b{self.budget}" if self.budget is not None else "")
+
+    def columns(self) -> dict:
+        return {"method": self.method, "cache_size": self.cache_size, "budget": self.budget}
+
+
+def row_question_ids(question_ids: list[str], sweep: list[Setting]) -> list[str]:
+    """The output row keys of a document's questions: the ids themselves, or each id under every
+    swept setting (setting-major)."""
+    if not sweep:
+        return list(question_ids)
+    return [setting.question_id(q) for setting in sweep for q in question_ids]
+
+
+def _as_row(self) -> dict:
+    """Output-contract columns of this answer (the setting's columns only when it has one)."""
+    row = {name: getattr(self, name) for name in (*columns_filled_by(KEY), *columns_filled_by(ANSWER))}
+    if self.setting is not None:
+        row.update(self.setting.columns())
+    return row
+
+
+Answer = dataclasses.make_dataclass(
+    "Answer",
+    [(name, str) for name in columns_filled_by(KEY)]
+    + [(name, python_type(name) | None, dataclasses.field(default=None)) for name in columns_filled_by(ANSWER)]
+    + [("setting", Setting | None, dataclasses.field(default=None))],
+    namespace={"as_row": _as_row, "__module__": __name__},
+)
+Answer.__doc__ = (
+    "One answered question with what it cost: ``doc_id``, ``question_id``, the output schema's engine "
+    f"columns ({', '.join(columns_filled_by(ANSWER))}; None when unknown, e.g. on an error row) and "
+    "``setting`` (:class:`Setting`, None = the job's own)."
+)

@@ -16,22 +16,22 @@ Recipe implemented here (all offline, seeded):
   engine encodes it (:class:`~pipeline.engine.prompts.PromptBuilder`: chat template, context, then
   question + answer prefix ``"The special magic ... for {key} is:"``), and the needle's value
   tokens, exactly as tokenised inside the context, are appended: the copy is *teacher-forced*.
-* **Attention.** One forward per case with the attention function registered as
-  ``"headkv_calibration"`` (transformers ``AttentionInterface``, scoped to the run): ordinary causal
-  SDPA for the output, plus, for the copy queries only (the positions whose next token is value
+* **Attention.** One forward per case with the recording attention
+  (:func:`pipeline.kv.attention.register_recording`, scoped to the run): ordinary causal SDPA for
+  the output, plus, for the copy queries only (the positions whose next token is value
   token j), the argmax over keys of each query head's attention logits (= of its attention
   weights) -- :func:`top_attended_positions`.
 * **Score.** Per case and head, :func:`retrieval_hits`: the fraction of the J copy steps at which the
   top position is ``needle_start + j`` (``match="position"``, the needle token being copied), or,
   with ``match="token"`` (Wu et al.'s criterion), any needle position holding the same token id.
   The head's retrieval score is the mean over cases, in [0, 1]; no further normalisation (HeadKV's
-  budget rule in :func:`pipeline.kv.budgets.headkv_head_budgets` normalises by the sum).
+  budget rule in :func:`pipeline.kv.allocation.headkv.headkv_head_budgets` normalises by the sum).
 * **Output.** :func:`priors_document`: ``{"model", "method": "retrieval", "num_layers", "num_heads",
   "num_kv_heads", "scores": [[...] * num_heads] * num_layers, "settings": {...}}``, scores per
-  *query* head; :func:`pipeline.engine.engine.load_head_priors` averages them per KV group.
+  *query* head; :func:`pipeline.engine.priors.load_head_priors` averages them per KV group.
 
 HeadKV's retrieval-reasoning variant (attention mass of the top-k positions on reasoning needles)
-is not implemented. Shipped files live in ``pipeline/resources/headkv/`` (:func:`shipped_priors`).
+is not implemented. Shipped files live in ``pipeline/resources/headkv/`` (:func:`pipeline.engine.priors.shipped_priors`).
 """
 
 from __future__ import annotations
@@ -44,21 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-CALIBRATION_ATTENTION = "headkv_calibration"
-RESOURCES = Path(__file__).resolve().parent.parent / "resources" / "headkv"
-#: model short name -> shipped priors file name
-SHIPPED = {"smollm2": "smollm2-135m-instruct.json"}
+from ..engine.prompts import SEPARATOR, PromptBuilder
+from ..kv.attention import register_recording
+from .ruler import fit_size
+from .ruler_tasks import insert_after_sentences
+from .ruler_data import NOISE_HAYSTACK, essay_words, random_value, random_word, split_sentences
+
 KIND_NAMES = {"numbers": "number", "words": "word"}
 MATCHES = ("position", "token")
-
-
-def shipped_priors(model_name: str) -> Path | None:
-    """Path of the priors file shipped for a model short name, or None."""
-    name = SHIPPED.get(model_name.lower())
-    path = RESOURCES / name if name else None
-    return path if path is not None and path.is_file() else None
 
 
 # --------------------------------------------------------------------------- pure scoring
@@ -131,23 +125,16 @@ class NeedleCase:
 
 def _haystack_words(haystack: str) -> list[str]:
     if haystack == "essay":
-        from .ruler_data import essay_words
-
         return list(essay_words())
     if haystack == "noise":
-        from .ruler_data import NOISE_HAYSTACK
-
         return NOISE_HAYSTACK.split(" ") * 2000
     raise ValueError(f"haystack must be 'essay' or 'noise', got {haystack!r}")
 
 
 def _insert(words: list[str], start: int, size: int, needle: str, depth: float) -> str:
-    from .ruler_data import split_sentences
-
     text = " ".join(words[start : start + size])
     sents = split_sentences(text)
-    cut = round(len(sents) * depth / 100.0)
-    return " ".join(sents[:cut] + [needle] + sents[cut:])
+    return insert_after_sentences(sents, [needle], [round(len(sents) * depth / 100.0)])
 
 
 def _fitted_context(
@@ -155,8 +142,6 @@ def _fitted_context(
     question_tokens: int, length: int,
 ) -> str:
     """The longest ``intro + haystack-with-needle`` whose tokens plus the question's fit ``length``."""
-    from .ruler import fit_size
-
     contexts: dict[int, str] = {}
 
     def measure(size: int) -> int:
@@ -191,63 +176,62 @@ def build_cases(
     ``lengths``: target tokens of context + question (the haystack is fitted with the tokenizer);
     ``depths``: needle depth in percent of the haystack's sentences.
     """
-    from ..engine.prompts import SEPARATOR, PromptBuilder
-    from .ruler_data import random_value, random_word
-
     for kind in kinds:
         if kind not in KIND_NAMES:
             raise ValueError(f"needle kind must be one of {sorted(KIND_NAMES)}, got {kind!r}")
     if samples < 1 or not lengths or not depths:
         raise ValueError("need at least one length, one depth and one sample")
     words = _haystack_words(haystack)
-    pool = words + words  # a haystack may start near the end: wrap around
-    builder = PromptBuilder(tokenizer, use_chat_template)
-
-    def ids(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    sep_len = len(ids(SEPARATOR))
+    maker = _CaseMaker(tokenizer, PromptBuilder(tokenizer, use_chat_template), words)
     cases = []
     for length in lengths:
         for d_index, depth in enumerate(depths):
             for i in range(samples):
                 rng = random.Random(f"headkv/{seed}/{length}/{depth}/{i}")
                 kind = kinds[(d_index * samples + i) % len(kinds)]
-                name = KIND_NAMES[kind]
-                key, value = random_word(rng), random_value(rng, kind)
-                lead = f"The special magic {name} for {key} is: "
-                needle = f"{lead}{value}."
-                intro = f"A special magic {name} is hidden within the following text. Make sure to memorize it.\n"
-                question = f"What is the special magic {name} for {key} mentioned in the provided text?"
-                answer_prefix = f"The special magic {name} for {key} is:"
-                start = rng.randrange(max(1, len(words) // 2))
-                context = _fitted_context(ids, pool, start, intro, needle, depth, len(ids(question)), length)
-                enc = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
-                body, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-                v_begin = context.index(needle) + len(lead)
-                v_end = v_begin + len(value)
-                # scored: tokens overlapping the value; forced: from the token holding the space
-                # before it, so the answer continues "...is:" as the needle does ("is: 1234567")
-                scored = [j for j, (a, b) in enumerate(offsets) if b > v_begin and a < v_end]
-                forced = [j for j, (a, b) in enumerate(offsets) if b > v_begin - 1 and a < v_end]
-                prompt = builder.encode(context, [question], answer_prefix)
-                body_at = _subsequence_at(prompt.context_ids, body, len(prompt.context_ids) - sep_len - len(body))
-                copy = body[forced[0] : forced[-1] + 1]
-                input_ids = prompt.context_ids + prompt.question_ids[0] + copy
-                skipped = scored[0] - forced[0]
-                cases.append(
-                    NeedleCase(
-                        case_id=f"headkv-{length}-d{depth:g}-s{seed}-{i:03d}",
-                        input_ids=input_ids,
-                        needle_start=body_at + scored[0],
-                        needle_len=len(scored),
-                        copy_start=len(input_ids) - len(copy) + skipped,
-                        length=length,
-                        depth=float(depth),
-                        kind=kind,
-                    )
-                )
+                case = maker.make(rng, kind, length, depth)
+                case.case_id = f"headkv-{length}-d{depth:g}-s{seed}-{i:03d}"
+                cases.append(case)
     return cases
+
+
+class _CaseMaker:
+    """One needle case: a fitted haystack with the needle, the prompt, the teacher-forced copy."""
+
+    def __init__(self, tokenizer, builder: PromptBuilder, words: list[str]) -> None:
+        self.tokenizer, self.builder, self.words = tokenizer, builder, words
+        self.pool = words + words  # a haystack may start near the end: wrap around
+        self.sep_len = len(self.ids(SEPARATOR))
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def make(self, rng: random.Random, kind: str, length: int, depth: float) -> NeedleCase:
+        name = KIND_NAMES[kind]
+        key, value = random_word(rng), random_value(rng, kind)
+        lead = f"The special magic {name} for {key} is: "
+        needle = f"{lead}{value}."
+        intro = f"A special magic {name} is hidden within the following text. Make sure to memorize it.\n"
+        question = f"What is the special magic {name} for {key} mentioned in the provided text?"
+        start = rng.randrange(max(1, len(self.words) // 2))
+        context = _fitted_context(self.ids, self.pool, start, intro, needle, depth, len(self.ids(question)), length)
+        enc = self.tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
+        body, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        v_begin = context.index(needle) + len(lead)
+        v_end = v_begin + len(value)
+        # scored: tokens overlapping the value; forced: from the token holding the space
+        # before it, so the answer continues "...is:" as the needle does ("is: 1234567")
+        scored = [j for j, (a, b) in enumerate(offsets) if b > v_begin and a < v_end]
+        forced = [j for j, (a, b) in enumerate(offsets) if b > v_begin - 1 and a < v_end]
+        prompt = self.builder.encode(context, [question], f"The special magic {name} for {key} is:")
+        body_at = _subsequence_at(prompt.context_ids, body, len(prompt.context_ids) - self.sep_len - len(body))
+        copy = body[forced[0] : forced[-1] + 1]
+        input_ids = prompt.context_ids + prompt.question_ids[0] + copy
+        return NeedleCase(
+            case_id="", input_ids=input_ids, needle_start=body_at + scored[0], needle_len=len(scored),
+            copy_start=len(input_ids) - len(copy) + scored[0] - forced[0], length=length, depth=float(depth),
+            kind=kind,
+        )
 
 
 # --------------------------------------------------------------------------- running the model
@@ -258,29 +242,11 @@ class _TopRecorder:
         self.query_positions = query_positions
         self.top: dict[int, torch.Tensor] = {}
 
-    def on_layer(self, module, query, key, scaling) -> None:
+    def on_layer(self, module, query, key, value, scaling) -> None:
         if query.shape[0] != 1:
             raise ValueError("calibration runs one case at a time (batch 1)")
         pos = self.query_positions
         self.top[module.layer_idx] = top_attended_positions(query[0, :, pos], key[0], pos, scaling).cpu()
-
-
-def _calibration_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    recorder = kwargs.get("calibration_recorder")
-    if recorder is None:
-        raise RuntimeError(f"{CALIBRATION_ATTENTION} attention needs `calibration_recorder=` in the model call")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-    recorder.on_layer(module, query, key, scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_calibration_attention() -> str:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(CALIBRATION_ATTENTION, _calibration_attention)
-    return CALIBRATION_ATTENTION
 
 
 @dataclass
@@ -294,7 +260,6 @@ class CalibrationResult:
     cases: list[NeedleCase]
     match: str
     seconds: float
-    extra: dict = field(default_factory=dict)
 
 
 @torch.inference_mode()
@@ -306,9 +271,9 @@ def score_case(model: torch.nn.Module, case: NeedleCase, match: str = "position"
     recorder = _TopRecorder(qpos)
     previous = model.config._attn_implementation
     try:
-        model.set_attn_implementation(register_calibration_attention())
+        model.set_attn_implementation(register_recording())
         out = model.base_model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None],
-                               use_cache=False, calibration_recorder=recorder)
+                               use_cache=False, attention_recorder=recorder)
     finally:
         model.set_attn_implementation(previous)
     top = torch.stack([recorder.top[i] for i in range(model.config.num_hidden_layers)])  # (L, H_q, J)
@@ -341,7 +306,7 @@ def calibrate(
 
 
 def priors_document(model_name: str, config, result: CalibrationResult, settings: dict | None = None) -> dict:
-    """The JSON object :func:`pipeline.engine.engine.load_head_priors` reads (see module docstring)."""
+    """The JSON object :func:`pipeline.engine.priors.load_head_priors` reads (see module docstring)."""
     num_layers, num_heads = result.scores.shape
     if num_layers != config.num_hidden_layers or num_heads != config.num_attention_heads:
         raise ValueError(f"scores {tuple(result.scores.shape)} do not match the model's layers x query heads")

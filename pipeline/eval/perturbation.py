@@ -8,11 +8,11 @@ reduced to that method's kept entries.
 
 How it is computed (no monkey-patching; transformers' public extension points only):
 
-1. One full forward over ``context + later`` with the attention function registered as
-   ``"perturbation_capture"`` (transformers ``AttentionInterface``): it computes the ordinary causal
-   attention (SDPA) and hands the layer's post-RoPE ``q, k, v`` to a recorder, which analyses the
-   layer on the spot and keeps only small results (memory: one layer's attention maps of the
-   later queries, plus each method's compressed K/V).
+1. One full forward over ``context + later`` with the recording attention
+   (:func:`pipeline.kv.attention.register_recording`): it computes the ordinary causal attention
+   (SDPA) and hands the layer's post-RoPE ``q, k, v`` to a recorder, which analyses the layer on
+   the spot and keeps only small results (memory: one layer's attention maps of the later queries,
+   plus each method's compressed K/V).
 2. Per layer, every method's :class:`~pipeline.kv.compress.Compressor` runs
    ``compress_layer(layer, module, q[:n], k[:n], v[:n], positions, scaling)`` on the context part
    of the captured tensors -- exactly the call :class:`~pipeline.kv.cache.VarLenCache` makes after
@@ -60,9 +60,9 @@ slice of ``o_proj`` that multiplies head h, Â = softmax restricted to the kept 
 Output: a long-format :class:`pyarrow.Table` (:data:`SCHEMA`), one row per
 (doc_id, probe, method, cache_size, layer, kv_head); ``hidden_deviation`` / ``top1_agreement``
 are null on ``window`` rows and ``query_tokens`` is the probe's query count;
-``base_method`` is the method with any ``criticalkv-`` prefix
-removed (so ``snapkv`` and ``criticalkv-snapkv`` share ``base_method="snapkv"``), which makes
-"CriticalKV vs its base" a self-join. :func:`headline` computes, per probe, the fraction of
+``base_method`` is the method with its selection replaced by ``topk`` (so ``snapkv`` and
+``criticalkv-snapkv`` share ``base_method="snapkv"``), which makes "CriticalKV vs its base" a
+self-join. :func:`pipeline.report.perturbation.headline` computes, per probe, the fraction of
 (document, layer, KV head) where a ``criticalkv-X`` method has a strictly lower ``perturbation``
 than ``X``.
 
@@ -79,17 +79,19 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
-from ..config import CompressionConfig
+from ..engine.priors import load_head_priors
+from ..kv.allocation import row_budgets
 from ..kv.attention import register as register_varlen_attention
-from ..kv.budgets import row_budgets
-from ..kv.cache import VarLenCache
+from ..kv.attention import register_recording
+from ..kv.cache import VarLenCache, run_chunk
 from ..kv.compress import Compressor
-from ..kv.criticalkv import OutputProjection
-from ..kv.scorers import snapkv_scores
-from ..kv.storage import VarLenLayer
+from ..kv.config import CompressionConfig, method_name
+from ..kv.scorers.snapkv import snapkv_scores
+from ..kv.store import VarLenLayer
+from ..kv.value_norms import OutputProjection
+from .perturbation_docs import Document
+from .perturbation_probe import HeadStats, LayerProbe
 
-CAPTURE_ATTENTION = "perturbation_capture"
-_NORM_CHUNK = 4096
 _REFERENCE = "__full__"
 
 SCHEMA = pa.schema(
@@ -118,138 +120,14 @@ SCHEMA = pa.schema(
     ]
 )
 
-from .perturbation_docs import Document, continuation_documents, question_documents  # noqa: E402,F401 - public here too
-from .perturbation_summary import format_headline, headline  # noqa: E402,F401 - public here too
-
-
-# --------------------------------------------------------------------------- pure tensor math
-
-
-def per_head_l1_norms(value: torch.Tensor, proj: OutputProjection) -> torch.Tensor:
-    """m_{h,i} = ||V_i W_O^h||_1 for every query head h. value: (H_kv, N, D) -> (H_kv, G, N) fp32.
-
-    Chunked over entries so that at most (chunk x G*hidden) floats are materialised at once; the
-    mean over G equals :func:`pipeline.kv.criticalkv.exact_l1_norms`.
-    """
-    h_kv, n, _ = value.shape
-    out = torch.empty(h_kv, proj.groups, n, dtype=torch.float32, device=value.device)
-    for k in range(h_kv):
-        for begin in range(0, n, _NORM_CHUNK):
-            chunk = value[k, begin : begin + _NORM_CHUNK].float() @ proj.per_kv[k]  # (c, G*hidden)
-            out[k, :, begin : begin + _NORM_CHUNK] = chunk.abs().view(-1, proj.groups, proj.hidden).sum(-1).T
-    return out
-
-
-@dataclass
-class HeadStats:
-    """Per-KV-head results of :meth:`LayerProbe.evaluate`, each (H_kv,) float64."""
-
-    perturbation: torch.Tensor
-    group_perturbation: torch.Tensor
-    bound: torch.Tensor
-    evicted_term: torch.Tensor
-    evicted_mass: torch.Tensor
-
-
-class LayerProbe:
-    """Full-cache attention of some queries at one layer, against which kept sets are evaluated.
-
-    query: (H_q, T, D) post-RoPE queries; key, value: (H_kv, N, D) every key they may see;
-    query_pos: (T,) and key_pos: (N,) (default ``arange(N)``) original positions (key j visible
-    to query t iff key_pos[j] <= query_pos[t]); proj: the layer's W_O slices; scaling: softmax
-    scale; norms: optional precomputed :func:`per_head_l1_norms` of ``value``. Everything is
-    computed in float32.
-    """
-
-    def __init__(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query_pos: torch.Tensor,
-        proj: OutputProjection,
-        scaling: float,
-        key_pos: torch.Tensor | None = None,
-        norms: torch.Tensor | None = None,
-    ) -> None:
-        h_q, t, dim = query.shape
-        h_kv, n, _ = key.shape
-        if h_q % h_kv:
-            raise ValueError(f"{h_q} query heads do not group into {h_kv} KV heads")
-        self.groups = h_q // h_kv
-        key_pos = torch.arange(n, device=key.device) if key_pos is None else key_pos.to(key.device)
-        q = query.float().reshape(h_kv, self.groups, t, dim)
-        logits = torch.einsum("kgtd,knd->kgtn", q, key.float()) * scaling
-        self.visible = key_pos[None, :] <= query_pos.to(key.device)[:, None]  # (T, N)
-        if not bool(self.visible.any(-1).all()):
-            raise ValueError("every query must see at least one key (check query_pos / key_pos)")
-        self.logits = logits.masked_fill(~self.visible, float("-inf"))
-        self.probs = torch.softmax(self.logits, dim=-1)  # (H_kv, G, T, N)
-        self.values = value.float()
-        self.norms = per_head_l1_norms(value, proj) if norms is None else norms.float()  # (H_kv, G, N)
-        self.w = proj.per_kv.view(h_kv, dim, self.groups, proj.hidden)  # w[k, :, g] = W_O^h
-        self._pm = self.probs * self.norms[:, :, None, :]  # A_i m_{h,i}
-
-    def evaluate(self, keep: torch.Tensor) -> HeadStats:
-        """keep: (H_kv, N) bool, the kept set of every KV head (over all N keys)."""
-        keep = keep.to(self.logits.device, torch.bool)
-        if keep.shape != (self.logits.shape[0], self.logits.shape[-1]):
-            expected = (self.logits.shape[0], self.logits.shape[-1])
-            raise ValueError(f"keep must be (H_kv, N) = {expected}, got {tuple(keep.shape)}")
-        mask = keep[:, None, None, :]
-        if not bool((mask & self.visible).any(-1).all()):
-            raise ValueError("a query sees no kept key (keep the queries' own positions)")
-        probs_hat = torch.softmax(self.logits.masked_fill(~mask, float("-inf")), dim=-1)
-        delta = torch.einsum("kgtn,knd->kgtd", self.probs - probs_hat, self.values)  # o - ô
-        projected = torch.einsum("kgtd,kdge->kgte", delta, self.w)  # (H_kv, G, T, hidden)
-        per_head = projected.abs().sum(-1)  # (H_kv, G, T)
-        group = projected.sum(1).abs().sum(-1)  # (H_kv, T)
-        evicted = ~mask
-        e_term = (self._pm * evicted).sum(-1)  # (H_kv, G, T)
-        k_term = (self._pm * mask).sum(-1)
-        e_mass = (self.probs * evicted).sum(-1)
-        k_mass = (self.probs * mask).sum(-1)
-        bound = e_term + e_mass / k_mass * k_term
-        return HeadStats(
-            perturbation=per_head.mean((1, 2)).double(),
-            group_perturbation=group.mean(-1).double(),
-            bound=bound.mean((1, 2)).double(),
-            evicted_term=e_term.mean((1, 2)).double(),
-            evicted_mass=e_mass.mean((1, 2)).double(),
-        )
-
-
-# --------------------------------------------------------------------------- capture attention
-
-
-def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Plain causal attention (no padding, no cache) that also hands q/k/v to the recorder."""
-    recorder = kwargs.get("perturbation_recorder")
-    if recorder is None:
-        raise RuntimeError(f"{CAPTURE_ATTENTION} attention needs `perturbation_recorder=` in the model call")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    if query.shape[2] != key.shape[2]:
-        raise RuntimeError(f"{CAPTURE_ATTENTION} runs on a single full forward without a cache")
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-    recorder.on_layer(module, query, key, value, scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_capture() -> str:
-    """Register the capture attention with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
-    return CAPTURE_ATTENTION
 
 
 # --------------------------------------------------------------------------- per-document analysis
 
 
-def base_method(method: str) -> str:
-    """``criticalkv-adakv-snapkv`` -> ``adakv-snapkv``; other names unchanged."""
-    return method.removeprefix("criticalkv-")
+def base_method(config: CompressionConfig) -> str:
+    """The method with plain top-k selection: ``criticalkv-adakv-snapkv`` -> ``adakv-snapkv``."""
+    return method_name(config.scorer, config.allocation)
 
 
 def method_configs(
@@ -258,11 +136,9 @@ def method_configs(
     """One validated :class:`CompressionConfig` per (method, cache size), keyed ``"method@size"``,
     sharing ``base``'s other knobs (window, pooling, epsilon, priors ...)."""
     sizes = [cache_sizes] if isinstance(cache_sizes, (int, float)) else list(cache_sizes)
-    fields = (base or CompressionConfig()).model_dump()
-    fields.update(budget=None, query_aware=False, max_cache_tokens=None)
-    return {
-        f"{m}@{cs:g}": CompressionConfig(**{**fields, "method": m, "cache_size": cs}) for cs in sizes for m in methods
-    }
+    base = base or CompressionConfig()
+    return {f"{m}@{cs:g}": base.with_method(m, cache_size=cs, budget=None, query_aware=False, max_cache_tokens=None)
+            for cs in sizes for m in methods}
 
 
 class _Recorder:
@@ -330,22 +206,17 @@ def _check_model(model, total: int) -> None:
 
 
 def _load_priors(cfg: CompressionConfig, model) -> torch.Tensor | None:
-    if cfg.head_priors is None:
+    if cfg.head_priors is None or not cfg.needs_head_priors:
         return None
-    from ..engine.engine import load_head_priors
-
     c = model.config
     return load_head_priors(cfg.head_priors, c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
 
 
 def _run_later(model, layers: dict[int, VarLenLayer], compressor: Compressor, later: torch.Tensor, n: int) -> torch.Tensor:
     """Final hidden states (T, hidden) of the later tokens over a cache holding ``layers``."""
-    cache = VarLenCache(model.config.num_hidden_layers, compressor)
-    cache.store = [layers[i] for i in range(model.config.num_hidden_layers)]
+    cache = VarLenCache.from_layers([layers[i] for i in range(model.config.num_hidden_layers)], compressor)
     pos = torch.arange(n, n + later.shape[-1], device=later.device)[None]
-    cache.begin_chunk(pos)
-    out = model.base_model(input_ids=later[None], position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True)
-    return out.last_hidden_state[0].float()
+    return run_chunk(model.base_model, cache, later[None], pos).last_hidden_state[0].float()
 
 
 @torch.inference_mode()
@@ -364,10 +235,10 @@ def analyse_document(
     context_ids: the context that is prefilled and compressed (n tokens); query_ids: the later
     tokens (T >= 1) whose attention is measured, at positions n .. n+T-1. ``configs`` maps any
     unique label to a :class:`CompressionConfig` (see :func:`method_configs`; the ``method`` and
-    ``cache_size`` columns come from the config, so several cache sizes share one capture forward); HeadKV priors are
-    read from each config's ``head_priors``. ``window_queries`` (default: the largest ``window`` of
-    the configs): how many of the context's last queries form the in-sample ``probe="window"`` rows
-    (0 = none). The model's attention implementation is restored afterwards.
+    ``cache_size`` columns come from the config, so several cache sizes share one capture forward);
+    HeadKV priors are read from each config's ``head_priors``. ``window_queries`` (default: the
+    largest ``window`` of the configs): how many of the context's last queries form the in-sample
+    ``probe="window"`` rows (0 = none). The model's attention implementation is restored afterwards.
     """
     device = next(model.parameters()).device
     ctx = torch.as_tensor(context_ids, dtype=torch.long, device=device).reshape(-1)
@@ -378,51 +249,55 @@ def analyse_document(
     _check_model(model, n + t)
     for name, cfg in configs.items():
         if cfg.max_cache_tokens is not None or cfg.query_aware:
-            raise ValueError(f"{name}: the diagnostics measure prefill compression only (no max_cache_tokens / query_aware)")
+            raise ValueError(f"{name}: the diagnostics measure prefill compression only (no max_cache_tokens / "
+                             "query_aware)")
     compressors = {name: Compressor(cfg, _load_priors(cfg, model)) for name, cfg in configs.items()}
     if window_queries is None:
         window_queries = max((cfg.window for cfg in configs.values()), default=0)
     recorder = _Recorder(compressors, n, window_queries)
     previous = model.config._attn_implementation
+    rows: dict[str, list] = {f.name: [] for f in SCHEMA}
     try:
-        model.set_attn_implementation(register_capture())
-        ids = torch.cat([ctx, later])[None]
-        model.base_model(input_ids=ids, position_ids=torch.arange(n + t, device=device)[None], use_cache=False,
-                         perturbation_recorder=recorder)
+        model.set_attn_implementation(register_recording())
+        model.base_model(input_ids=torch.cat([ctx, later])[None], position_ids=torch.arange(n + t, device=device)[None],
+                         use_cache=False, attention_recorder=recorder)
         model.set_attn_implementation(register_varlen_attention())
-        reference_compressor = Compressor(CompressionConfig(method="none"))
-        h_ref = _run_later(model, recorder.layers[_REFERENCE], reference_compressor, later, n)
+        h_ref = _run_later(model, recorder.layers[_REFERENCE], Compressor(CompressionConfig()), later, n)
         head = model.get_output_embeddings()
         top_ref = head(h_ref).argmax(-1)
-        rows: dict[str, list] = {f.name: [] for f in SCHEMA}
         for name, cfg in configs.items():
             h_hat = _run_later(model, recorder.layers[name], compressors[name], later, n)
-            deviation = float(((h_hat - h_ref).norm(dim=-1) / h_ref.norm(dim=-1).clamp(min=1e-12)).mean())
-            agreement = float((head(h_hat).argmax(-1) == top_ref).float().mean())
-            for layer, kept, per_probe, proxy in recorder.results[name]:
-                for (probe_name, stats), k in ((item, k) for item in per_probe.items() for k in range(kept.numel())):
-                    later_probe = probe_name == "later"
-                    rows["doc_id"].append(doc_id)
-                    rows["query_kind"].append(query_kind)
-                    rows["probe"].append(probe_name)
-                    rows["model"].append(model_name)
-                    rows["method"].append(cfg.method)
-                    rows["base_method"].append(base_method(cfg.method))
-                    rows["criticalkv"].append(cfg.uses_criticalkv)
-                    rows["cache_size"].append(float(cfg.cache_size))
-                    rows["context_tokens"].append(n)
-                    rows["query_tokens"].append(t if later_probe else recorder.window_queries)
-                    rows["layer"].append(layer)
-                    rows["kv_head"].append(k)
-                    rows["kept"].append(int(kept[k]))
-                    for field in ("perturbation", "group_perturbation", "bound", "evicted_term", "evicted_mass"):
-                        rows[field].append(float(getattr(stats, field)[k]))
-                    rows["proxy_objective"].append(float(proxy[k]))
-                    rows["hidden_deviation"].append(deviation if later_probe else None)
-                    rows["top1_agreement"].append(agreement if later_probe else None)
+            end_to_end = (float(((h_hat - h_ref).norm(dim=-1) / h_ref.norm(dim=-1).clamp(min=1e-12)).mean()),
+                          float((head(h_hat).argmax(-1) == top_ref).float().mean()))
+            common = {"doc_id": doc_id, "query_kind": query_kind, "model": model_name, "method": cfg.method,
+                      "base_method": base_method(cfg), "criticalkv": cfg.selection == "criticalkv",
+                      "cache_size": float(cfg.cache_size), "context_tokens": n}
+            _method_rows(rows, common, recorder.results[name], end_to_end, t, recorder.window_queries)
     finally:
         model.set_attn_implementation(previous)
     return pa.Table.from_pydict(rows, schema=SCHEMA)
+
+
+def _method_rows(rows: dict[str, list], common: dict, results: list, end_to_end: tuple[float, float],
+                 later_tokens: int, window_queries: int) -> None:
+    """Append one method's rows: per (layer, probe, KV head); ``end_to_end`` = (hidden deviation,
+    top-1 agreement) of the later tokens, on the later-probe rows only."""
+    for layer, kept, per_probe, proxy in results:
+        for probe_name, stats in per_probe.items():
+            later_probe = probe_name == "later"
+            for k in range(kept.numel()):
+                for key, value in common.items():
+                    rows[key].append(value)
+                rows["probe"].append(probe_name)
+                rows["query_tokens"].append(later_tokens if later_probe else window_queries)
+                rows["layer"].append(layer)
+                rows["kv_head"].append(k)
+                rows["kept"].append(int(kept[k]))
+                for field in ("perturbation", "group_perturbation", "bound", "evicted_term", "evicted_mass"):
+                    rows[field].append(float(getattr(stats, field)[k]))
+                rows["proxy_objective"].append(float(proxy[k]))
+                rows["hidden_deviation"].append(end_to_end[0] if later_probe else None)
+                rows["top1_agreement"].append(end_to_end[1] if later_probe else None)
 
 
 # --------------------------------------------------------------------------- runs and summaries

@@ -7,6 +7,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from ..engine.prompts import PromptBuilder
+from .ruler import generate_task
+from .ruler_data import essay_words
+
 
 @dataclass
 class Document:
@@ -27,9 +31,6 @@ def question_documents(
     the later tokens are the question chunk (question + chat template tail + answer prefix) followed
     by the reference answer, teacher-forced (`` " " + reference[0]``).
     """
-    from ..engine.prompts import PromptBuilder
-    from .ruler import generate_task
-
     builder = PromptBuilder(tokenizer, use_chat_template)
 
     def count(text: str) -> int:
@@ -47,8 +48,6 @@ def continuation_documents(tokenizer, length: int, samples: int, query_tokens: i
     """Plain-text documents from the essay haystack: the first ``length`` tokens are the context, the
     next ``query_tokens`` tokens of the same text are the later queries (language-model continuation).
     Each sample starts at a seeded random word of the essays."""
-    from .ruler_data import essay_words
-
     words = list(essay_words())
     words = words + words  # a sample may start near the end: wrap around
     rng = random.Random(seed)

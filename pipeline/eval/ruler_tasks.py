@@ -126,7 +126,12 @@ def insert_at_depths(words: list[str] | tuple[str, ...], size: int, inserts: lis
         text = " ".join((list(words) * reps)[:size])
     sents = data.split_sentences(text)
     depths = rng.sample(data.DEPTHS, len(inserts))
-    cuts = [0] + sorted(int(len(sents) * d / 100) for d in depths) + [len(sents)]
+    return insert_after_sentences(sents, inserts, sorted(int(len(sents) * d / 100) for d in depths))
+
+
+def insert_after_sentences(sents: list[str], inserts: list[str], cuts: list[int]) -> str:
+    """``inserts[i]`` placed after the first ``cuts[i]`` sentences (cuts sorted), joined with spaces."""
+    cuts = [0, *cuts, len(sents)]
     parts: list[str] = []
     for i in range(1, len(cuts)):
         segment = " ".join(sents[cuts[i - 1] : cuts[i]])

@@ -1,21 +1,28 @@
-"""Attention math over the prefill chunk and over the variable-length cache, plus the function
+"""Attention math over the prefill chunk and over the variable-length cache, plus the functions
 registered with transformers' ``AttentionInterface``.
 
-Registration: :func:`register` adds the name ``"criticalkv_varlen"`` to transformers' attention
-registry (a public extension point; other implementations are untouched). A model opts in with
-``model.set_attn_implementation("criticalkv_varlen")`` and the engine passes its
-:class:`~pipeline.kv.cache.VarLenCache` both as ``cache=`` (transformers calls its ``update``)
-and as the ``varlen_cache=`` keyword, which transformers forwards to the attention function.
-Masks are derived from original token positions held by the cache (never from a cache-position argument, which transformers 5.x no longer passes):
-key j is visible to query q iff ``0 <= pos_j <= pos_q``.
+Registration (a public extension point; other implementations are untouched):
+
+* :func:`register` adds ``"criticalkv_varlen"``. A model opts in with
+  ``model.set_attn_implementation(register())`` and :func:`pipeline.kv.cache.run_chunk` passes the
+  cache both as ``cache=`` (transformers calls its ``update``) and as ``varlen_cache=``, which
+  transformers forwards to the attention function. Masks are derived from original token positions
+  held by the cache (never from a cache-position argument, which transformers 5.x no longer
+  passes): key j is visible to query q iff ``0 <= pos_j <= pos_q``.
+* :func:`register_recording` adds ``"criticalkv_recording"``: plain causal attention over one
+  full, unpadded forward without a cache, which hands each layer's post-RoPE ``q, k, v`` to the
+  ``attention_recorder=`` object of the model call (``recorder.on_layer(module, q, k, v, scaling)``);
+  the diagnostics (perturbation, HeadKV calibration) analyse layers with it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 ATTENTION_NAME = "criticalkv_varlen"
+RECORDING_NAME = "criticalkv_recording"
 _QUERY_CHUNK = 4096  # prefill queries per masked-SDPA call when rows are padded
 
 
@@ -101,7 +108,25 @@ def criticalkv_attention_forward(
 
 def register() -> str:
     """Register the attention function with transformers (idempotent) and return its name."""
-    from transformers import AttentionInterface
-
     AttentionInterface.register(ATTENTION_NAME, criticalkv_attention_forward)
     return ATTENTION_NAME
+
+
+def recording_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal SDPA of one full forward (no padding, no cache) that also hands q/k/v to the recorder."""
+    recorder = kwargs.get("attention_recorder")
+    if recorder is None:
+        raise RuntimeError(f"{RECORDING_NAME} attention needs `attention_recorder=` in the model call")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError(f"{RECORDING_NAME} runs on a single full forward without a cache")
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    recorder.on_layer(module, query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_recording() -> str:
+    """Register the recording attention with transformers (idempotent) and return its name."""
+    AttentionInterface.register(RECORDING_NAME, recording_attention_forward)
+    return RECORDING_NAME

@@ -1,9 +1,11 @@
 """Per-layer compression of a prefilled context: score -> per-head budgets -> selection.
 
-:class:`Compressor` is built once per engine from a :class:`~pipeline.config.CompressionConfig`
-(and HeadKV priors as a tensor); ``compress_layer`` is called by the cache right after a layer's
-prefill attention, while the dense K/V of that layer are still at hand, and returns which entries
-each (row, KV head) keeps. Nothing here touches files, Ray or the model beyond ``o_proj``.
+:class:`Compressor` is built once per engine from a :class:`~pipeline.kv.config.CompressionConfig`
+(and HeadKV priors as a tensor). For each layer of a prefill the cache calls :meth:`observe` while
+the layer's attention runs (the scorer keeps what it needs of the queries), then
+:meth:`compress_observed` while the dense K/V of that layer are still at hand; it returns which
+entries each (row, KV head) keeps. :meth:`compress_layer` does both in one call. Nothing here
+touches files, Ray or the model beyond ``o_proj``.
 """
 
 from __future__ import annotations
@@ -12,18 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CompressionConfig
-from .budgets import adakv_head_budgets, headkv_head_budgets, row_budgets, uniform_head_budgets
-from .criticalkv import (
-    NormStats,
-    OutputProjection,
-    exact_l1_norms,
-    l2_norms,
-    norms_for_mask,
-    topk_select,
-    two_stage_select,
-)
-from .scorers import snapkv_scores, streamingllm_scores
+from .allocation import ALLOCATIONS, row_budgets
+from .config import CompressionConfig
+from .parts import LayerContext
+from .scorers import SCORERS
+from .selection import SELECTIONS
+from .value_norms import NormStats, OutputProjection, entry_norms, norms_for_mask
 
 
 @dataclass
@@ -37,19 +33,28 @@ class LayerSelection:
 
 
 class Compressor:
-    """Applies one compression method to every layer of a prefill."""
+    """Applies one compression method to every layer of a prefill (see the module docstring)."""
 
     def __init__(self, config: CompressionConfig, head_priors: torch.Tensor | None = None) -> None:
-        if config.uses_headkv and head_priors is None:
-            raise ValueError(f"method {config.method!r} needs HeadKV priors (head_priors)")
+        if config.needs_head_priors and config.compresses and head_priors is None:
+            raise ValueError(f"method {config.method!r} needs HeadKV priors (compression.head_priors)")
         self.config = config
         self.head_priors = head_priors
         self.norm_stats = NormStats()
         self._projections: dict[int, OutputProjection] = {}
+        self.scorer = SCORERS[config.scorer] if config.compresses else None
+        self.allocation = ALLOCATIONS[config.allocation]
+        self.selection = SELECTIONS[config.selection]
 
     @property
     def needs_value_norms(self) -> bool:
+        """Norms of every kept entry are needed after the prefill (the decode-time cap)."""
         return self.config.max_cache_tokens is not None
+
+    @property
+    def observed_queries(self) -> int:
+        """How many of the last prefill queries the scorer keeps (a capture for sweeps keeps as many)."""
+        return self.scorer.observed_queries(self.config) if self.scorer is not None else 0
 
     def projection(self, layer_idx: int, module: torch.nn.Module, num_kv_heads: int, head_dim: int) -> OutputProjection:
         """W_O slices of a layer in float32 (cached: weights do not change during inference)."""
@@ -59,71 +64,64 @@ class Compressor:
             self._projections[layer_idx] = proj
         return proj
 
-    def compress_layer(
+    def observe(self, query: torch.Tensor, key_pos: torch.Tensor) -> object:
+        """What the scorer keeps of one layer's prefill queries (B, H_q, n, D)."""
+        return self.scorer.observe(query, key_pos, self.config) if self.scorer is not None else None
+
+    def compress_layer(self, layer_idx, module, query, key, value, key_pos, scaling) -> LayerSelection:
+        """:meth:`observe` + :meth:`compress_observed`. query: (B, H_q, m, D) (the last m >=
+        :attr:`observed_queries` prefill queries, or all of them); key/value: (B, H_kv, n, D)."""
+        return self.compress_observed(layer_idx, module, self.observe(query, key_pos), key, value, key_pos, scaling)
+
+    def compress_observed(
         self,
         layer_idx: int,
         module: torch.nn.Module,
-        query: torch.Tensor,
+        observed: object,
         key: torch.Tensor,
         value: torch.Tensor,
         key_pos: torch.Tensor,
         scaling: float,
     ) -> LayerSelection:
-        """query: (B, H_q, n, D); key/value: (B, H_kv, n, D); key_pos: (B, n) (-1 = padding)."""
+        """Which entries of one layer each (row, KV head) keeps.
+
+        key/value: (B, H_kv, n, D) post-RoPE; key_pos: (B, n) (-1 = padding); observed: from :meth:`observe`.
+        """
         cfg = self.config
         bsz, h_kv, n, dim = key.shape
         lengths = (key_pos >= 0).sum(-1)
-        valid = (key_pos >= 0)[:, None, :].expand(bsz, h_kv, n)
-        need_norms = self.needs_value_norms
-        proj = self.projection(layer_idx, module, h_kv, dim) if (cfg.uses_criticalkv or need_norms) else None
-
         if not cfg.compresses:
-            keep = valid.clone()
+            keep = (key_pos >= 0)[:, None, :].expand(bsz, h_kv, n).clone()
             budget = lengths[:, None].expand(bsz, h_kv).clone()
-            return LayerSelection(keep, self._all_norms(value, keep, proj) if need_norms else None, budget)
-
+            norms = self._all_norms(value, keep, self.projection(layer_idx, module, h_kv, dim)) if self.needs_value_norms else None
+            return LayerSelection(keep, norms, budget)
         row_b, row_w = row_budgets(lengths, cfg.cache_size, cfg.budget, cfg.window)
-        if cfg.scorer == "streamingllm":
-            scores = streamingllm_scores(key_pos, h_kv, row_w, cfg.sink_tokens)
-        else:
-            scores = snapkv_scores(query, key, key_pos, row_w, cfg.kernel, cfg.pooling, scaling)
-
-        if cfg.uses_adakv:
-            head_budget = adakv_head_budgets(scores, row_b, cfg.alpha_safeguard)
-        elif cfg.uses_headkv:
-            head_budget = headkv_head_budgets(self.head_priors, layer_idx, row_b, row_w, lengths, cfg.alpha_safeguard)
-        else:
-            head_budget = uniform_head_budgets(row_b, h_kv)
-
-        norms = None
-        if cfg.uses_criticalkv:
-            keep, norms = two_stage_select(
-                scores, head_budget, row_w, value, proj, cfg.first_stage_ratio, cfg.epsilon, cfg.norm, self.norm_stats
-            )
-        else:
-            keep = topk_select(scores, head_budget)
-        if need_norms:
-            norms = self._all_norms(value, keep, proj, norms)
+        ctx = LayerContext(
+            layer_idx=layer_idx, key=key, value=value, key_pos=key_pos, scaling=scaling, lengths=lengths, row_budget=row_b,
+            row_window=row_w, observed=observed, projection=lambda: self.projection(layer_idx, module, h_kv, dim),
+            head_priors=self.head_priors,
+        )
+        scores = self.scorer.score(ctx, cfg)
+        head_budget = self.allocation.head_budgets(scores, ctx, cfg)
+        keep, norms = self.selection.select(scores, head_budget, ctx, cfg, self.norm_stats)
+        if self.needs_value_norms:
+            norms = self._all_norms(value, keep, ctx.projection(), norms)
         return LayerSelection(keep, norms, head_budget)
 
     def _all_norms(
         self, value: torch.Tensor, keep: torch.Tensor, proj: OutputProjection, norms: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Exact projected norms for every kept entry (needed by the decode-time cap)."""
+        """Projected norms for every kept entry (the decode-time cap needs them)."""
         if norms is None:
             norms = torch.full(keep.shape, float("nan"), dtype=torch.float32, device=keep.device)
-        if self.config.norm == "l2" and bool(torch.isnan(norms[keep]).any()):
-            return torch.where(torch.isnan(norms), l2_norms(value, proj), norms)
-        norms_for_mask(value, proj, keep & torch.isnan(norms), norms)
+        missing = keep & torch.isnan(norms)
+        if not bool(missing.any()):
+            return norms
+        if self.config.norm == "l2":
+            return torch.where(torch.isnan(norms), entry_norms(value, proj, "l2"), norms)
+        norms_for_mask(value, proj, missing, norms)
         return norms
 
     def new_entry_norms(self, layer_idx: int, value: torch.Tensor) -> torch.Tensor:
         """Projected norms of freshly appended entries (decode cap). value: (B, H_kv, T, D) -> (B, H_kv, T)."""
-        proj = self._projections[layer_idx]
-        bsz, h_kv, t, _ = value.shape
-        if self.config.norm == "l2":
-            return l2_norms(value, proj)
-        out = torch.empty(bsz, h_kv, t, dtype=torch.float32, device=value.device)
-        for k in range(h_kv):
-            out[:, k] = exact_l1_norms(value[:, k].reshape(-1, value.shape[-1]), proj, k).view(bsz, t)
-        return out
+        return entry_norms(value, self._projections[layer_idx], self.config.norm)

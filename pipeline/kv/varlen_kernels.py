@@ -1,6 +1,6 @@
 """Attention kernels over the variable-length cache: which one runs, and the two accelerator paths.
 
-The cache (:class:`~pipeline.kv.storage.VarLenLayer`) holds every (row, KV head) pair as its own
+The cache (:class:`~pipeline.kv.store.VarLenLayer`) holds every (row, KV head) pair as its own
 sequence of kept entries in one flat buffer. Three ways to read it, all computing the same
 function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
 
@@ -46,7 +46,7 @@ def flash_varlen_function() -> Callable | None:
     """flash-attn's ``flash_attn_varlen_func`` when the package imports, else None (looked up once:
     it is asked per layer and step, and a failed import is not cached by Python)."""
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # optional, CUDA-only dependency: looked up lazily
     except Exception:  # noqa: BLE001 - not installed, or built for another torch/CUDA
         return None
     return flash_attn_varlen_func
@@ -110,7 +110,7 @@ def packed_segments(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
         keys, values = layer.keys[:total], layer.values[:total]
         lengths = length
     else:
-        index = layer._segment_index(layer.start)  # live entries, segment by segment
+        index = layer.live_index()  # live entries, segment by segment
         real = layer.positions[index] >= 0
         index = index[real]
         segment = torch.repeat_interleave(torch.arange(length.numel(), device=length.device), length)[real]

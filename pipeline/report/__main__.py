@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.storage import StorageError, is_uri
+from pipeline.data.locations import StorageError, is_uri
 
 from .build import build_report
 

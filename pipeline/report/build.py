@@ -5,9 +5,13 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from pipeline.storage import is_uri
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.data.locations import is_uri
 
 from . import plots, tables
+from .perturbation import headline
 
 
 def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
@@ -54,11 +58,6 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
 
 
 def _perturbation_section(files: list[Path], out_dir: Path) -> list[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from ..eval.perturbation import headline
-
     table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
     rows = headline(table)
     cols = ["probe", "method", "base_method", "cache_size", "heads", "fraction_lower", "median_ratio",

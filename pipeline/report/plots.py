@@ -3,6 +3,8 @@ on every panel; one colour per method, consistent across figures."""
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
@@ -100,8 +102,6 @@ def costs(cost_rows: list[dict], path: Path) -> Path:
 def perturbation_heatmaps(table, path: Path, probe: str = "later") -> Path | None:
     """Per (layer, KV head): log2 of CriticalKV's mean perturbation over its base method's
     (blue = CriticalKV perturbs less). One panel per (criticalkv method, cache size)."""
-    import math
-    from collections import defaultdict
 
     rows = [r for r in table.select(["probe", "method", "base_method", "criticalkv", "cache_size", "layer", "kv_head",
                                      "perturbation"]).to_pylist() if r["probe"] == probe]

@@ -15,14 +15,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.sources import parquet_files
-from pipeline.storage import Location, resolve
+from pipeline.data.locations import Location, resolve
 
 FULL = "none"
 
 
 def result_files(path: str | Path) -> list[Location]:
     """The result Parquet files of a job output directory (its ``data/`` folder), a folder of
-    Parquet files or one file; local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipeline.storage`)."""
+    Parquet files or one file; local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipeline.data.locations`)."""
     location = resolve(path)
     if location.is_file():
         return [location] if location.suffix == ".parquet" else []

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.data import sample_qa_documents
-from pipeline.job_config import JobConfig
+from pipeline.distributed.config import JobConfig
+from tests import faults as fault_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FACTORY = "tests.distributed.helpers:tiny_engine"
@@ -20,19 +21,31 @@ def local_ray():
     """``ray.init(address="local")`` with 2 CPUs and one logical GPU, its own temp dir, no dashboard.
 
     The logical GPU lets ``num_gpus=1`` actors schedule on a CPU machine (the GPU path); workers
-    get the repository on PYTHONPATH so they can import the test-only engine factory.
+    get the repository on PYTHONPATH so they can import the test-only engine factory, and the test
+    hook (``tests/faults.py``) reading ``ray.faults_file``, empty unless the :func:`faults` fixture sets it.
     """
-    ray = pytest.importorskip("ray")
+    import ray
+
     if ray.is_initialized():
         ray.shutdown()
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    faults_file = Path(temp_dir) / "faults.json"
+    env = {"PYTHONPATH": str(ROOT), **fault_hook.environment(faults_file)}
     ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, _temp_dir=temp_dir,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
+             runtime_env={"env_vars": env}, log_to_driver=False)
+    ray.faults_file = faults_file
     try:
         yield ray
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def faults(local_ray):
+    """``faults(**directives)`` turns faults on in every actor of the module's Ray; off again after the test."""
+    yield lambda **directives: fault_hook.write(local_ray.faults_file, **directives)
+    fault_hook.write(local_ray.faults_file)
 
 
 def tiny_config(output, **overrides) -> JobConfig:

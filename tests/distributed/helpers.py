@@ -3,7 +3,9 @@
 The model name picks a tiny random architecture built in code: ``tiny-llama``, ``tiny-qwen2``, ...
 """
 
-from pipeline.config import CompressionConfig, GenerationConfig, ModelConfig
+from pipeline.kv.config import CompressionConfig
+
+from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from tests.tiny import ARCHS, tiny_loaded
 

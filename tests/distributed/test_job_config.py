@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.distributed import JobConfigError, run_job
-from pipeline.distributed.cli import config_from_args
-from pipeline.job_config import JobConfig
+from pipeline.apps.batch_jobs import config_from_args
+from pipeline.distributed.config import JobConfig
 from tests.distributed.conftest import ROOT, tiny_config
 
 
@@ -24,7 +24,7 @@ def _field_error(exc: ValidationError) -> str:
 def test_unknown_method_names_the_field(tmp_path):
     with pytest.raises(ValidationError) as info:
         JobConfig(output=tmp_path / "o", compression={"method": "fastkv"})
-    assert _field_error(info.value) == "compression.method" and "unknown method" in str(info.value)
+    assert _field_error(info.value) == "compression" and "method 'fastkv': unknown scorer" in str(info.value)
 
 
 def test_missing_input_path_names_the_field(tmp_path):
@@ -80,18 +80,50 @@ def test_job_defaults_and_fresh_output_dir():
     summary = config_from_args("summarize", ["--max-new-tokens", "50"])
     assert summary.instruction and summary.generation.max_new_tokens == 50
     assert str(summary.output).startswith("outputs/summarize-")
+    # a flag over the job's default method keeps the rest of it: selection stays criticalkv
+    partial = config_from_args("longdoc_qa", ["--allocation", "adakv", "--cache-size", "0.3"])
+    assert partial.compression.method == "criticalkv-adakv-snapkv" and partial.compression.cache_size == 0.3
+    assert config_from_args("longdoc_qa", ["--method", "none"]).compression.method == "none"
 
 
-def test_cli_reports_bad_values_with_exit_code_2(tmp_path):
+def test_method_parts_and_spelling_are_one_setting(tmp_path):
+    by_parts = config_from_args("longdoc_qa", ["--scorer", "snapkv", "--allocation", "headkv",
+                                               "--selection", "topk"])
+    by_name = config_from_args("longdoc_qa", ["--method", "headkv-snapkv"])
+    assert by_parts.compression == by_name.compression and by_name.compression.method == "headkv-snapkv"
+    path = tmp_path / "job.yaml"
+    path.write_text("compression: {method: adakv-snapkv}\n")
+    layered = config_from_args("longdoc_qa", ["--config", str(path), "--selection", "criticalkv"])
+    assert layered.compression.method == "criticalkv-adakv-snapkv"
+
+
+def test_every_option_has_help_with_its_default():
+    from pipeline.apps.batch_jobs import build_parser
+
+    for job in ("longdoc_qa", "summarize"):
+        parser = build_parser(job)
+        for action in parser.parser._actions:
+            if action.option_strings and action.dest not in ("help", "config"):
+                assert action.help and ("default:" in action.help or "(required)" in action.help), action.dest
+        text = parser.parser.format_help()
+        assert "--method METHOD" in text and "(default: criticalkv-snapkv)" in text
+    assert "--question-column" in build_parser("longdoc_qa").parser.format_help()
+    assert "--question-column" not in build_parser("summarize").parser.format_help()
+    assert "--instruction" not in build_parser("longdoc_qa").parser.format_help()
+
+
+def test_cli_reports_bad_values_with_exit_code_2(tmp_path, capsys):
     cases = [
-        (["--method", "fastkv"], "invalid compression.method"),
-        (["--input", str(tmp_path / "nope.jsonl")], "invalid input"),
-        (["--cache-size", "1.5"], "invalid compression.cache_size"),
+        (["--method", "fastkv"], "invalid --method: method 'fastkv': unknown scorer"),
+        (["--input", str(tmp_path / "nope.jsonl")], "invalid --input (input): no such file"),
+        (["--cache-size", "1.5"], "invalid --cache-size (compression.cache_size)"),
+        (["--method", "snapkv", "--selection", "criticalkv"], "it sets selection='topk', but selection='criticalkv'"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as info:
             config_from_args("longdoc_qa", argv + ["--output", str(tmp_path / "o")])
         assert info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_cli_subprocess_unknown_column_names_the_field(tmp_path):
@@ -102,12 +134,12 @@ def test_cli_subprocess_unknown_column_names_the_field(tmp_path):
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "invalid columns" in proc.stderr and "question='prompt'" in proc.stderr
+    assert "invalid columns" in proc.stderr and "question='prompt'" in proc.stderr, proc.stderr[-2000:]
     assert "Ray" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 def test_summarize_instruction_replaces_questions(tmp_path):
-    from pipeline.distributed.driver import load_documents
+    from pipeline.distributed.inputs import load_documents
 
     rows = [{"doc_id": "a", "text": "Report one.", "summary": "ref"}, {"doc_id": "b", "text": "Report two."}]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -120,7 +152,7 @@ def test_summarize_instruction_replaces_questions(tmp_path):
 
 
 def test_missing_model_file_fails_before_ray(tmp_path, monkeypatch):
-    from pipeline.distributed.driver import check_model
+    from pipeline.distributed.cluster import check_model
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     config = JobConfig(output=tmp_path / "o", model={"name": str(tmp_path / "missing.gguf")})

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from pipeline.data import read_table, rows_to_table, write_documents
 from pipeline.distributed import JobConfigError, run_job, sink
 from pipeline.report.tables import read_outputs
-from pipeline.storage import StorageError, is_uri, resolve, s3_options
+from pipeline.data.locations import StorageError, is_uri, resolve, s3_options
 from tests.distributed.conftest import ROOT, small_docs, tiny_config
 
 BUCKET = "criticalkv-test"

@@ -23,7 +23,6 @@ from pipeline.data import (
 )
 from pipeline.distributed import JobConfigError, JobFailed, run_job, sink
 from pipeline.distributed.sink import committed_files
-from pipeline.job_config import FaultConfig
 from tests.distributed.conftest import small_docs, tiny_config
 
 
@@ -96,7 +95,7 @@ def test_rerun_of_a_finished_job_adds_nothing(first_run):
 
 def test_rerun_with_another_method_is_refused(first_run):
     _, config, _ = first_run
-    other = config.model_copy(update={"compression": config.compression.model_copy(update={"method": "snapkv"})})
+    other = config.model_copy(update={"compression": config.compression.with_method("snapkv")})
     with pytest.raises(JobConfigError, match=r"output: .*different configuration.*compression.method"):
         run_job(other, echo=False)
 
@@ -110,11 +109,11 @@ def test_gpu_scheduling_path_on_cpu(local_ray, tmp_path):
     assert table.num_rows == result.rows_written > 0 and table.column("error").null_count == table.num_rows
 
 
-def test_resume_after_a_failure_part_way(local_ray, tmp_path):
+def test_resume_after_a_failure_part_way(local_ray, faults, tmp_path):
     docs = small_docs(6, seed=3)
     path = write_documents(docs, tmp_path / "in.jsonl")
-    config = tiny_config(tmp_path / "out", input=str(path), rows_per_file=1,
-                         faults={"raise_after_batches": 2, "raise_delay_s": 2.0})
+    config = tiny_config(tmp_path / "out", input=str(path), rows_per_file=1)
+    faults(raise_after_batches=2, raise_delay_s=2.0)
     with pytest.raises(JobFailed, match="rerun the same command"):
         run_job(config, echo=False)
     data = tmp_path / "out" / "data"
@@ -130,7 +129,8 @@ def test_resume_after_a_failure_part_way(local_ray, tmp_path):
     if files:
         shutil.copy(files[0], data / "part-dead-copy.parquet")
 
-    resumed = run_job(config.model_copy(update={"faults": FaultConfig()}), echo=False)
+    faults()
+    resumed = run_job(config, echo=False)
     assert resumed.docs_skipped == len(done_docs) and resumed.docs_scheduled == len(docs) - len(done_docs)
     assert resumed.missing_rows == 0
     assert resumed.duplicates_removed == (pq.read_metadata(files[0]).num_rows if files else 0)
@@ -141,7 +141,7 @@ def test_resume_after_a_failure_part_way(local_ray, tmp_path):
     assert manifest["runs"][-1]["temporary_files_removed"] == 1
 
 
-def test_bad_rows_mixed_with_good_rows(local_ray, tmp_path):
+def test_bad_rows_mixed_with_good_rows(local_ray, faults, tmp_path):
     good = small_docs(4, seed=5)
     path = tmp_path / "in.jsonl"
     lines = [json.dumps(good[0]), json.dumps(good[1])]
@@ -156,8 +156,8 @@ def test_bad_rows_mixed_with_good_rows(local_ray, tmp_path):
     ]
     path.write_text("\n".join(lines) + "\n")
     boom = good[3]["doc_id"]  # an unexpected exception inside the actor for this document
-    config = tiny_config(tmp_path / "out", input=str(path), faults={"error_doc_ids": [boom]},
-                         generation={"batch_size": 2})
+    faults(error_doc_ids=[boom])
+    config = tiny_config(tmp_path / "out", input=str(path), generation={"batch_size": 2})
     result = run_job(config, echo=False)
     rows = {(r["doc_id"], r["question_id"]): r for r in _read(result.data_dir).to_pylist()}
     assert result.missing_rows == 0 and len(rows) == result.rows_written
@@ -206,15 +206,15 @@ def test_question_rows_grouped_inside_ray_skip_done_documents(local_ray, tmp_pat
     _normalised_in_ray_with_one_document_done(tmp_path, one_question_per_row=True)
 
 
-def test_actor_killed_while_holding_a_batch(local_ray, tmp_path):
+def test_actor_killed_while_holding_a_batch(local_ray, faults, tmp_path):
     """The actor process exits abruptly (os._exit) while prefilling one document; Ray restarts it
     and retries the batch: every doc_id x question appears exactly once, none with an error."""
     docs = small_docs(4, seed=7)
     path = write_documents(docs, tmp_path / "in.jsonl")
     marker = tmp_path / "crashed-once"
     victim = docs[2]["doc_id"]
-    config = tiny_config(tmp_path / "out", input=str(path), rows_per_file=1,
-                         faults={"engine": f"crash={victim};crash_marker={marker}"})
+    faults(crash=[victim], crash_marker=str(marker))
+    config = tiny_config(tmp_path / "out", input=str(path), rows_per_file=1)
     result = run_job(config, echo=False)
     assert marker.exists()  # the crash really happened
     table = _read(result.data_dir)

@@ -5,20 +5,31 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from pipeline import hooks
 from pipeline.data import DOCUMENT_SCHEMA, OUTPUT_SCHEMA, normalise_batch
-from pipeline.distributed.predictor import InjectedFault, Predictor, resolve_factory
+from pipeline.distributed.predictor import Predictor, resolve_factory
+from pipeline.eval.scoring import score_answer
+from pipeline.eval.sweep import sweep_settings
+from pipeline.kv.config import CompressionConfig
 from tests.distributed.conftest import TINY_FACTORY, small_docs
+from tests.faults import Faults, InjectedFault
 
-ROW_FIELDS = {"run_id": "r1", "job": "longdoc_qa", "model": "tiny-llama", "method": "snapkv",
+JOB_FIELDS = {"run_id": "r1", "job": "longdoc_qa", "model": "tiny-llama", "method": "snapkv",
               "cache_size": 0.5, "budget": None}
 
 
-def _predictor(faults=None, **generation):
+def _predictor(**generation):
     return Predictor(
         model={"name": "tiny-llama"}, compression={"method": "snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
-        generation={"max_new_tokens": 2, **generation}, row_fields=ROW_FIELDS, engine_factory=TINY_FACTORY,
-        faults=faults,
+        generation={"max_new_tokens": 2, **generation}, job_fields=JOB_FIELDS, engine_factory=TINY_FACTORY,
     )
+
+
+@pytest.fixture
+def faults():
+    """``faults(**directives)`` installs the test hook in this process; removed after the test."""
+    yield lambda **directives: hooks.install(Faults(directives))
+    hooks.install(None)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +68,9 @@ def test_input_errors_become_error_rows_without_generation(predictor):
     assert out[2]["error"] == out[3]["error"] == "line 3: broken"
 
 
-def test_an_exception_in_one_document_is_isolated():
-    predictor = _predictor(faults={"error_doc_ids": ["qa-s1-0001-multikey"]}, batch_size=4)
+def test_an_exception_in_one_document_is_isolated(faults):
+    faults(error_doc_ids=["qa-s1-0001-multikey"])
+    predictor = _predictor(batch_size=4)
     docs = small_docs(3)
     out = predictor(_batch(docs)).to_pylist()
     errors = {r["doc_id"]: r["error"] for r in out}
@@ -84,8 +96,9 @@ def test_engine_that_returns_nothing_or_raises_still_yields_one_row_per_question
     assert all(r["error"] for r in out)
 
 
-def test_raise_after_batches_switch():
-    predictor = _predictor(faults={"raise_after_batches": 1})
+def test_raise_after_batches_hook(faults):
+    faults(raise_after_batches=1)
+    predictor = _predictor()
     batch = _batch(small_docs(1))
     assert predictor(batch).num_rows == 1
     with pytest.raises(InjectedFault):
@@ -99,21 +112,17 @@ def test_factory_resolution_errors_are_clear():
 
 
 def test_sweep_rows_per_setting_with_task_and_score():
-    from pipeline.config import CompressionConfig
-    from pipeline.eval.sweep import expand_for_sweep, sweep_settings
-
     settings = sweep_settings(["snapkv", "criticalkv-snapkv"], [0.3, 1.0], CompressionConfig(window=4, kernel=3))
     base = small_docs(2)
     for doc in base:
         doc["task"] = "niah_single_1"
         doc["references"] = [["zzz-not-there"] for _ in doc["questions"]]
-    docs = expand_for_sweep(base, settings)
     predictor = Predictor(
         model={"name": "tiny-llama"}, compression=settings[0].model_dump(mode="json"),
-        generation={"max_new_tokens": 2, "batch_size": 2}, row_fields={**ROW_FIELDS, "job": "eval_compression"},
-        engine_factory=TINY_FACTORY, sweep=[s.model_dump(mode="json") for s in settings],
+        generation={"max_new_tokens": 2, "batch_size": 2}, job_fields={**JOB_FIELDS, "job": "eval_compression"},
+        engine_factory=TINY_FACTORY, sweep=[s.model_dump(mode="json") for s in settings], score=score_answer,
     )
-    out = predictor(_batch(docs)).to_pylist()
+    out = predictor(_batch(base)).to_pylist()
     assert len(out) == sum(len(d["questions"]) for d in base) * len(settings)
     assert {(r["method"], r["cache_size"]) for r in out} == {("none", 1.0), ("snapkv", 0.3), ("criticalkv-snapkv", 0.3)}
     for row in out:
@@ -123,14 +132,14 @@ def test_sweep_rows_per_setting_with_task_and_score():
         assert row["kv_bytes_kept"] / full == pytest.approx(1.008 if row["method"] == "none" else 0.3, abs=0.03)
 
 
-def test_oom_rows_are_recorded_or_retried_smaller(monkeypatch):
-    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "oom=d0;oom_above=0.3")
+def test_oom_rows_are_recorded_or_retried_smaller(faults):
+    faults(oom=["d0"], oom_above=0.3)
     docs = small_docs(3)
     docs[0]["doc_id"] = "d0"
 
     def run(retry):
         p = Predictor(model={"name": "tiny-llama"}, compression={"method": "snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
-                      generation={"max_new_tokens": 2, "batch_size": 3}, row_fields=ROW_FIELDS, engine_factory=TINY_FACTORY,
+                      generation={"max_new_tokens": 2, "batch_size": 3}, job_fields=JOB_FIELDS, engine_factory=TINY_FACTORY,
                       oom_retry_cache_size=retry)
         return p(_batch(docs)).to_pylist()
 

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.data import rows_to_table
 from pipeline.distributed import sink
-from pipeline.summary import format_summary, summarize
+from pipeline.distributed.summary import format_summary, summarize
 
 
 def _rows(*keys, error=None, run="r"):

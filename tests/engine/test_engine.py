@@ -6,11 +6,16 @@ import json
 import pytest
 import torch
 
-from pipeline.config import METHODS, CompressionConfig, GenerationConfig, ModelConfig
+from pipeline import hooks
+from pipeline.kv.config import CompressionConfig, method_names
+
+from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import ModelNotFoundError, load_model
 from pipeline.engine.prompts import ContextTooLongError, PromptBuilder
 from pipeline.engine.types import Request
+from tests.faults import Faults
+from tests.methods import ALL_METHODS
 from tests.tiny import DEVICE, tiny_loaded, tiny_model, tiny_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
@@ -46,10 +51,10 @@ def test_engine_equals_plain_generate(arch):
     assert answer.context_tokens == len(prompt.context_ids)
     assert answer.question_tokens == len(prompt.question_ids[0])
     assert 1 <= answer.generated_tokens <= 12
-    assert answer.kv_entries_full == answer.kv_entries_kept == len(prompt.context_ids) * 2 * engine.num_kv_heads
+    assert answer.kv_entries_full == answer.kv_entries_kept == len(prompt.context_ids) * 2 * engine.shape.num_kv_heads
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_batch_equals_one_by_one(method, priors):
     requests = [
         Request("a", TEXT * 4, ["What is packed?"]),
@@ -134,14 +139,14 @@ def test_model_loading_errors(tmp_path):
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="unknown scorer 'magic'"):
         CompressionConfig(method="magic")
     with pytest.raises(ValueError, match="cache_size"):
         CompressionConfig(cache_size=1.5)
     with pytest.raises(ValueError, match="smaller than the observation window"):
         CompressionConfig(method="snapkv", budget=8, window=32)
-    with pytest.raises(ValueError, match="head_priors"):
-        CompressionConfig(method="headkv-snapkv")
+    with pytest.raises(ValueError, match="head_priors: .*none ships for model 'tiny-llama'"):
+        _engine(method="headkv-snapkv", cache_size=0.5)
 
 
 def test_kept_positions_readable_through_engine():
@@ -149,16 +154,24 @@ def test_kept_positions_readable_through_engine():
     request = Request("d", TEXT * 3, ["Who?"])
     cache = engine.compress_context(request)
     n = len(engine.prompts.encode(request.context, request.questions).context_ids)
-    kept = [cache.kept_positions(layer, 0, h) for layer in range(2) for h in range(engine.num_kv_heads)]
+    heads = engine.shape.num_kv_heads
+    kept = [cache.kept_positions(layer, 0, h) for layer in range(2) for h in range(heads)]
     assert sum(len(k) for k in kept) == int(cache.context_entries[0])
-    assert sum(len(k) for k in kept) == pytest.approx(0.3 * n * 2 * engine.num_kv_heads, abs=2 * engine.num_kv_heads)
+    assert sum(len(k) for k in kept) == pytest.approx(0.3 * n * 2 * heads, abs=2 * heads)
     for positions in kept:
         assert positions.min() >= 0 and positions.max() < n
         assert list(range(n - 4, n)) == positions[-4:].tolist()  # the window is always kept
 
 
-def test_simulated_oom_is_recorded_and_neighbours_survive(monkeypatch):
-    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "oom=bad")
+@pytest.fixture
+def faults():
+    """``faults(**directives)`` installs the test hook in this process; removed after the test."""
+    yield lambda **directives: hooks.install(Faults(directives))
+    hooks.install(None)
+
+
+def test_simulated_oom_is_recorded_and_neighbours_survive(faults):
+    faults(oom=["bad"])
     requests = [Request("a", TEXT, ["Who?"]), Request("bad", TEXT * 2, ["Who?", "Why?"]), Request("c", TEXT, ["Why?"])]
     answers = _engine(method="snapkv", cache_size=0.5, batch_size=3).generate(requests)
     by_doc = {(a.doc_id, a.question_id): a for a in answers}
@@ -167,37 +180,34 @@ def test_simulated_oom_is_recorded_and_neighbours_survive(monkeypatch):
     assert "OutOfMemoryError" in by_doc[("bad", "0")].error and "OutOfMemoryError" in by_doc[("bad", "1")].error
 
 
-def test_oom_retry_with_smaller_cache(monkeypatch):
-    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "oom=bad")
+def test_oom_retry_with_smaller_cache(faults):
+    faults(oom=["bad"])
     comp = CompressionConfig(method="snapkv", cache_size=0.5, window=4, kernel=3)
     engine = Engine(tiny_loaded(), comp, GenerationConfig(max_new_tokens=4), oom_retry_cache_size=0.2)
     # the simulated OOM fires on every prefill of "bad": the retry fails too and the error is kept
     answer = engine.generate([Request("bad", TEXT, ["Who?"])])[0]
     assert "OutOfMemoryError" in answer.error
     # a document that fits at 0.2: retried, answered, and the row says which cache size it used
-    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "oom=bad;oom_above=0.3")
+    faults(oom=["bad"], oom_above=0.3)
     engine = Engine(tiny_loaded(), comp, GenerationConfig(max_new_tokens=4), oom_retry_cache_size=0.2)
     answers = engine.generate([Request("bad", TEXT, ["Who?"]), Request("good", TEXT, ["Who?"])])
-    assert answers[0].error is None and answers[0].cache_size == 0.2
-    assert answers[0].kv_entries_kept < answers[1].kv_entries_kept and answers[1].cache_size is None
+    assert answers[0].error is None and answers[0].setting.cache_size == 0.2
+    assert answers[0].as_row()["cache_size"] == 0.2 and "cache_size" not in answers[1].as_row()
+    assert answers[0].kv_entries_kept < answers[1].kv_entries_kept and answers[1].setting is None
 
 
-def test_fault_spec_errors(monkeypatch):
-    from pipeline.engine.faults import FaultInjection
-
-    monkeypatch.setenv("CRITICALKV_ENGINE_FAULTS", "explode=1")
-    with pytest.raises(ValueError, match="unknown directive"):
-        FaultInjection.from_env()
+def test_hook_rejects_unknown_events_and_directives():
+    with pytest.raises(ValueError, match="unknown hook event"):
+        hooks.fire("engine.explode")
+    with pytest.raises(ValueError, match="unknown fault directive"):
+        Faults({"explode": 1})
 
 
 @pytest.mark.parametrize("query_aware", [False, True])
 def test_sweep_from_one_prefill_equals_separate_runs(query_aware, priors):
-    settings = [
-        CompressionConfig(method=m, cache_size=c, window=4, kernel=3, query_aware=query_aware,
-                          **({"head_priors": priors} if "headkv" in m else {}))
-        for m, c in [("snapkv", 0.3), ("criticalkv-snapkv", 0.3), ("criticalkv-adakv-snapkv", 0.5),
-                     ("criticalkv-headkv-snapkv", 0.3), ("none", 1.0), ("streamingllm", 0.4)]
-    ]
+    settings = [CompressionConfig(method=m, cache_size=0.3 + 0.1 * (i % 3), window=4, kernel=3,
+                                  query_aware=query_aware, head_priors=priors)
+                for i, m in enumerate(ALL_METHODS)]
     requests = [Request("a", TEXT * 3, ["Who jumps?", "Why?"]), Request("b", TEXT, ["What?"]), Request("bad", "", ["?"])]
     engine = Engine(tiny_loaded(), settings[0], GenerationConfig(max_new_tokens=8, batch_size=2))
     swept = engine.generate_sweep(requests, settings)

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from pipeline.config import CompressionConfig, GenerationConfig, ModelConfig
+from pipeline.kv.config import CompressionConfig
+
+from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
@@ -68,4 +70,4 @@ def test_generate_cli_json(tmp_path, smollm2):
                 "compress_s", "decode_s", "decode_ms_per_token", "peak_memory_bytes", "device", "error"]:
         assert key in row
     bad = subprocess.run(cmd[:3] + ["--method", "magic"] + cmd[3:], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "unknown method" in bad.stderr
+    assert bad.returncode == 2 and "invalid --method: method 'magic': unknown scorer" in bad.stderr

@@ -6,14 +6,13 @@ import json
 import pytest
 import torch
 
-from pipeline.engine.engine import load_head_priors
+from pipeline.engine.priors import load_head_priors, shipped_priors
 from pipeline.eval.calibration import (
     build_cases,
     calibrate,
     priors_document,
     retrieval_hits,
     score_case,
-    shipped_priors,
     top_attended_positions,
     write_priors,
 )
@@ -124,8 +123,7 @@ def test_priors_file_shape_normalisation_and_loading(cases, tmp_path):
 
 def test_shipped_smollm2_priors_load():
     path = shipped_priors("smollm2")
-    if path is None:
-        pytest.skip("no shipped SmolLM2 priors file yet")
+    assert path is not None and path.is_file(), "the SmolLM2 calibration ships in pipeline/resources/headkv/"
     doc = json.loads(path.read_text())
     assert (doc["num_layers"], doc["num_heads"], doc["num_kv_heads"]) == (30, 9, 3)
     priors = load_head_priors(path, 30, 3)

@@ -13,21 +13,15 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.config import CompressionConfig
-from pipeline.eval.perturbation import (
-    SCHEMA,
-    LayerProbe,
-    analyse_document,
-    base_method,
-    continuation_documents,
-    headline,
-    method_configs,
-    per_head_l1_norms,
-)
+from pipeline.eval.perturbation import SCHEMA, analyse_document, base_method, method_configs
+from pipeline.eval.perturbation_docs import continuation_documents
+from pipeline.eval.perturbation_probe import LayerProbe, group_l1_norms
 from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache
+from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
-from pipeline.kv.criticalkv import OutputProjection, exact_l1_norms
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.value_norms import OutputProjection, exact_l1_norms
+from pipeline.report.perturbation import headline
 from tests.tiny import tiny_model, tiny_tokenizer
 
 METHODS = ["snapkv", "criticalkv-snapkv", "adakv-snapkv", "criticalkv-adakv-snapkv"]
@@ -120,7 +114,7 @@ def test_probe_rejects_query_without_kept_key():
 def test_per_head_norms_average_to_library_norms():
     _, _, value, o_weight, _, _ = _random_layer(6)
     proj = OutputProjection.from_weight(o_weight, 2, value.shape[-1])
-    per_head = per_head_l1_norms(value, proj)
+    per_head = group_l1_norms(value, proj)
     for k in range(2):
         torch.testing.assert_close(per_head[k].mean(0), exact_l1_norms(value[k], proj, k), rtol=1e-5, atol=1e-5)
         h = k * proj.groups + 1
@@ -160,8 +154,7 @@ def _real_cache_hidden(model, cfg, ctx, later):
     out = None
     for start, chunk in ((0, ctx), (len(ctx), later)):
         pos = torch.arange(start, start + len(chunk))[None]
-        cache.begin_chunk(pos)
-        out = model.base_model(input_ids=chunk[None], position_ids=pos, cache=cache, varlen_cache=cache, use_cache=True)
+        out = run_chunk(model.base_model, cache, chunk[None], pos)
     model.set_attn_implementation("sdpa")
     return out.last_hidden_state[0], cache
 
@@ -188,8 +181,8 @@ def test_hidden_deviation_and_kept_counts_match_the_real_cache(arch):
             for r in mine:
                 held = cache.kept_positions(r["layer"], 0, r["kv_head"])
                 assert r["kept"] == int((held < len(ctx)).sum())
-                assert r["base_method"] == base_method(cfg.method)
-                assert r["criticalkv"] == cfg.uses_criticalkv
+                assert r["base_method"] == base_method(cfg)
+                assert r["criticalkv"] == (cfg.selection == "criticalkv")
                 assert 0 <= r["perturbation"] <= r["bound"] * (1 + 1e-5)
     # criticalkv changes which entries are kept, never how many
     for r in rows:
@@ -201,7 +194,7 @@ def test_hidden_deviation_and_kept_counts_match_the_real_cache(arch):
 
 def _row(method, layer, head, pert, doc="d", cache_size=0.2, dev=0.1, probe="later"):
     return {
-        "doc_id": doc, "query_kind": "question", "probe": probe, "model": "m", "method": method, "base_method": base_method(method),
+        "doc_id": doc, "query_kind": "question", "probe": probe, "model": "m", "method": method, "base_method": method.removeprefix("criticalkv-"),
         "criticalkv": method.startswith("criticalkv-"), "cache_size": cache_size, "context_tokens": 10,
         "query_tokens": 2, "layer": layer, "kv_head": head, "kept": 2, "perturbation": pert,
         "group_perturbation": pert, "bound": pert, "evicted_term": pert, "evicted_mass": 0.1,

@@ -2,8 +2,9 @@
 
 import pytest
 
-from pipeline.config import CompressionConfig
-from pipeline.eval.sweep import ruler_documents, score_prediction, sweep_settings
+from pipeline.eval.scoring import score_prediction
+from pipeline.eval.sweep import ruler_documents, sweep_settings
+from pipeline.kv.config import CompressionConfig
 
 
 def test_settings_have_one_full_reference_and_every_pair():

@@ -51,7 +51,8 @@ def test_readme_job_commands_use_accepted_flags():
 
 
 def test_rayjob_object_storage_uris_reach_the_job_config():
-    cli = pytest.importorskip("pipeline.distributed.cli")
+    from pipeline.apps import batch_jobs as cli
+
     for entrypoint in _rayjob_entrypoints(_load_k8s_docs()):
         argv = shlex.split(entrypoint)
         script, args, _ = entrypoint_script(argv)

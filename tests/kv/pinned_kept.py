@@ -1,9 +1,10 @@
 """Kept positions of every method on fixed inputs, pinned in ``data/pinned_kept.json``.
 
-The file was written by the code before the method layer became composable parts (commit 8b0b896)
-with ``python -m tests.kv.pinned_kept --write``; ``test_pinned_kept.py`` checks that today's code
-keeps exactly the same positions for the same inputs (batch of 3 left-padded rows, two tiny GQA/MHA
-models, cache sizes 0.2 and 0.5, every method name of that time).
+The file was written by the code before the method layer became composable parts (commit 8b0b896,
+through that code's ``VarLenCache(num_layers, Compressor(config, priors))`` + one model call);
+``test_pinned_kept.py`` checks that today's code keeps exactly the same positions for the same
+inputs (batch of 3 left-padded rows, tiny GQA and MHA models, cache sizes 0.2 and 0.5, every method
+name of that time).
 """
 
 from __future__ import annotations
@@ -66,25 +67,24 @@ def compute(kept_for) -> dict:
     return out
 
 
-def _kept_for_old_code(model, method, size, priors, ids, pos):  # the API of commit 8b0b896
-    from pipeline.config import CompressionConfig
-    from pipeline.engine.engine import load_head_priors
+def kept_for_current_code(model, method, size, priors, ids, pos):
+    """Kept positions of ``method`` with today's API (batched, left-padded prefill)."""
+    from pipeline.engine.priors import load_head_priors
     from pipeline.kv.attention import register
-    from pipeline.kv.cache import VarLenCache
+    from pipeline.kv.cache import VarLenCache, run_chunk
     from pipeline.kv.compress import Compressor
+    from pipeline.kv.config import CompressionConfig
 
     cfg = model.config
-    extra = {"head_priors": priors} if "headkv" in method else {}
-    comp = CompressionConfig(method=method, cache_size=size, window=4, kernel=3, **extra)
-    tensor = load_head_priors(priors, cfg.num_hidden_layers, cfg.num_key_value_heads) if extra else None
+    comp = CompressionConfig(method=method, cache_size=size, window=4, kernel=3, head_priors=priors)
+    tensor = load_head_priors(priors, cfg.num_hidden_layers, cfg.num_key_value_heads) if comp.needs_head_priors else None
     model.set_attn_implementation(register())
     cache = VarLenCache(cfg.num_hidden_layers, Compressor(comp, tensor))
-    cache.begin_chunk(pos)
     with torch.inference_mode():
-        model(input_ids=ids, position_ids=pos.clamp(min=0), cache=cache, varlen_cache=cache, use_cache=True)
+        run_chunk(model, cache, ids, pos)
     return kept_positions(cache, cfg.num_hidden_layers, ids.shape[0], cfg.num_key_value_heads)
 
 
-if __name__ == "__main__" and "--write" in sys.argv:
-    PINNED.write_text(json.dumps(compute(_kept_for_old_code), separators=(",", ":")) + "\n")
+if __name__ == "__main__" and "--write" in sys.argv:  # only to re-pin on purpose: the file is the reference
+    PINNED.write_text(json.dumps(compute(kept_for_current_code), separators=(",", ":")) + "\n")
     print(f"wrote {PINNED}")

@@ -90,3 +90,60 @@ def adakv_reference(scores, budget, alpha_safe):
     for _, head, _ in items[: budget * h]:
         counts[head] += 1
     return counts
+
+
+def streamingllm_reference(n, window, sink_tokens):
+    """Scores for ONE unpadded row of n tokens: +inf on sinks and window, position + 1 elsewhere."""
+    w = min(window, n)
+    return [math.inf if (j < sink_tokens or j >= n - w) else float(j + 1) for j in range(n)]
+
+
+def topk_reference(scores, budget):
+    """Plain selection for one head: the ``budget`` largest scores (ties: lower index), never -inf."""
+    valid = [i for i in range(len(scores)) if scores[i] > -math.inf]
+    return sorted(sorted(valid, key=lambda i: -scores[i])[:budget])
+
+
+def headkv_reference(priors, layer, budget, window, length, alpha):
+    """HeadKV counts of one row for one layer, from the formula (loop-based water-filling)."""
+    flat = [max(p, 0.0) for row in priors for p in row]
+    total_p = sum(flat)
+    count = len(flat)
+    weight = [alpha + (1 - alpha) * (count * p / total_p if total_p > 0 else 1.0) for p in flat]
+    pool, cap = budget * count, float(length)
+    saturated = [False] * count
+    while True:
+        free = sum(w for w, s in zip(weight, saturated) if not s)
+        c = (pool - cap * sum(saturated)) / free if free > 0 else 0.0
+        newly = [i for i in range(count) if not saturated[i] and c * weight[i] > cap]
+        if not newly:
+            break
+        for i in newly:
+            saturated[i] = True
+    alloc = [cap if s else c * w for w, s in zip(weight, saturated)]
+    heads = len(priors[0])
+    counts = [math.floor(a + 1e-9) for a in alloc[layer * heads:(layer + 1) * heads]]
+    return [min(max(x, window), length) for x in counts]
+
+
+# ---------------------------------------------------------------------- per-part references
+# Every registered part has one here (tests/kv/test_parts.py fails for a part without one).
+# Scorers: (query (H_q, n, D), key (H_kv, n, D), value, window, config, scaling) -> [H_kv][n] for ONE unpadded row.
+SCORER_REFERENCES = {
+    "snapkv": lambda q, k, v, w, cfg, scaling: snapkv_reference(q, k, q.shape[1], w, cfg.kernel, cfg.pooling, scaling),
+    "streamingllm": lambda q, k, v, w, cfg, scaling: [streamingllm_reference(k.shape[1], w, cfg.sink_tokens)]
+    * k.shape[0],
+}
+# Allocations: (scores [H][n], budget, window, length, config, priors [L][H] or None, layer) -> [H] counts.
+ALLOCATION_REFERENCES = {
+    "uniform": lambda s, b, w, n, cfg, priors, layer: [b] * len(s),
+    "adakv": lambda s, b, w, n, cfg, priors, layer: adakv_reference(s, b, cfg.alpha_safeguard),
+    "headkv": lambda s, b, w, n, cfg, priors, layer: headkv_reference(priors, layer, b, w, n, cfg.alpha_safeguard),
+}
+# Selections: (scores [n], value (n, D), o_weight, kv_head, groups, head_dim, budget, window, config) -> kept indices.
+SELECTION_REFERENCES = {
+    "topk": lambda s, v, o, k, g, d, b, w, cfg: topk_reference(s, b),
+    "criticalkv": lambda s, v, o, k, g, d, b, w, cfg: two_stage_reference(
+        s, value_norm_reference(v, o, k, g, d, p=1 if cfg.norm == "l1" else 2), b, w, cfg.first_stage_ratio,
+        cfg.epsilon),
+}

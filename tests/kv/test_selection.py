@@ -5,9 +5,13 @@ import math
 import pytest
 import torch
 
-from pipeline.kv.budgets import adakv_head_budgets, headkv_head_budgets, row_budgets
-from pipeline.kv.criticalkv import NormStats, OutputProjection, l2_norms, norms_for_mask, two_stage_select
-from pipeline.kv.scorers import snapkv_scores, streamingllm_scores
+from pipeline.kv.allocation import row_budgets
+from pipeline.kv.allocation.adakv import adakv_head_budgets
+from pipeline.kv.allocation.headkv import headkv_head_budgets
+from pipeline.kv.scorers.snapkv import snapkv_scores
+from pipeline.kv.scorers.streamingllm import streamingllm_scores
+from pipeline.kv.selection.criticalkv import two_stage_select
+from pipeline.kv.value_norms import NormStats, OutputProjection, l2_norms, norms_for_mask
 
 from .reference import adakv_reference, snapkv_reference, two_stage_reference, value_norm_reference
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import CompressionConfig, GenerationConfig
+from pipeline.kv.config import CompressionConfig
+
+from pipeline.engine.config import GenerationConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.types import Request
 from pipeline.kv import varlen_kernels
 from pipeline.kv.attention import varlen_attention
-from pipeline.kv.storage import VarLenLayer
+from pipeline.kv.store import VarLenLayer
 from pipeline.kv.varlen_kernels import (
     KERNEL_ENV,
     choose_kernel,

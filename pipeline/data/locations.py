@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow.fs as pafs
 
+TMP_PREFIX = ".tmp-"  # local writes in progress (see Location.write_bytes); readers skip names starting with "."
 OBJECT_STORE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -172,13 +173,15 @@ class Location:
             Path(self.path).mkdir(parents=True, exist_ok=True)
 
     def write_bytes(self, data: bytes) -> None:
-        """Write the whole file atomically (see the module docstring)."""
+        """Write the whole file atomically (see the module docstring): locally under a temporary
+        sibling ``.tmp-<name>-<random>`` (names starting with ``.`` are ignored by every reader),
+        fsynced, renamed over the target, then the directory fsynced."""
         if not self.is_local:
             with self.fs.open_output_stream(self.path) as stream:
                 stream.write(data)
             return
         target = Path(self.path)
-        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp = target.with_name(f"{TMP_PREFIX}{target.stem}-{uuid.uuid4().hex[:8]}{target.suffix}")
         try:
             with open(tmp, "wb") as handle:
                 handle.write(data)
@@ -187,6 +190,7 @@ class Location:
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
+        fsync_directory(target.parent)
 
     def delete(self) -> None:
         """Delete this file; a file already gone is not an error."""
@@ -194,6 +198,20 @@ class Location:
             self.fs.delete_file(self.path)
         except FileNotFoundError:
             pass
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make a rename or delete in a local directory durable (best effort: not every filesystem allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def local(path: str | os.PathLike) -> Location:

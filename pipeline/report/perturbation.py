@@ -1,5 +1,5 @@
 """Headline of the perturbation diagnostics: CriticalKV vs its base method, from the long-format
-table :func:`pipeline.eval.perturbation.analyse_document` writes."""
+table :func:`pipeline.eval.perturbation.analyse_document` writes (``perturbation.parquet``)."""
 
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ class VarLenLayer:
         if new_capacity.numel() > 1:
             new_start[1:] = torch.cumsum(new_capacity, 0)[:-1]
         total = int(new_capacity.sum())
-        src, dst = self._segment_index(self.start), self._segment_index(new_start)
+        src, dst = self.live_index(), self.live_index(new_start)
         dim = self.keys.shape[-1]
         keys = self.keys.new_zeros(total, dim)
         values = self.values.new_zeros(total, dim)
@@ -159,8 +159,10 @@ class VarLenLayer:
         self.start, self.capacity = new_start, new_capacity.clone()
         self._refresh_layout()
 
-    def _segment_index(self, start: torch.Tensor) -> torch.Tensor:
-        """Flat indices of the live entries of every segment, given segment starts."""
+    def live_index(self, start: torch.Tensor | None = None) -> torch.Tensor:
+        """(N,) flat indices of the live entries, segment by segment (``start``: other segment starts,
+        e.g. of a new layout; default this layer's own)."""
+        start = self.start if start is None else start
         total = int(self.length.sum())
         if total == 0:
             return torch.zeros(0, dtype=torch.long, device=self.length.device)
@@ -278,6 +280,23 @@ class VarLenLayer:
         if self.length.numel() > 1:
             self.start[1:] = torch.cumsum(self.length, 0)[:-1]
         self._refresh_layout()
+
+    # ------------------------------------------------------------------ accounting
+    def entries_per_row(self) -> torch.Tensor:
+        """(B,) live entries held per row, summed over KV heads (padding entries excluded)."""
+        index, live = self.padded_index()
+        real = live & (self.positions[index] >= 0)
+        return real.sum(-1).view(self.num_rows, self.num_heads).sum(-1)
+
+    def bytes_per_row(self) -> torch.Tensor:
+        """(B,) bytes held per row: its reserved slots' share of every per-entry tensor plus its
+        segment-table rows. Summed over rows this equals :meth:`nbytes` when buffers are exactly sized."""
+        per_entry = self.keys.element_size() * self.keys.shape[-1] + self.values.element_size() * self.values.shape[-1]
+        per_entry += self.positions.element_size()
+        per_entry += sum(t.element_size() for t in (self.acc_attention, self.value_norm) if t is not None)
+        per_segment = sum(t.element_size() for t in (self.start, self.length, self.capacity))
+        capacity = self.capacity.view(self.num_rows, self.num_heads).sum(-1)
+        return capacity * per_entry + self.num_heads * per_segment
 
     def clone(self) -> "VarLenLayer":
         copy = VarLenLayer(

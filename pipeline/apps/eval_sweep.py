@@ -1,0 +1,116 @@
+"""``jobs/eval_compression.py``: a compression sweep on Ray, scored, with a report.
+
+    python jobs/eval_compression.py --tasks niah_single_1,vt --length 2048 --samples 5 \\
+        --methods snapkv,criticalkv-snapkv --cache-sizes 0.2,0.4,1.0 [--query-aware] --output OUT
+
+1. RULER-style documents are generated offline, their lengths fitted with the model's tokenizer;
+2. every (method, cache size) plus one full-cache reference is answered for every document by the
+   same Ray pipeline as the other jobs (resume, atomic commits, manifest), each context prefilled
+   once per document and each setting's cache derived from that prefill;
+3. every answer is scored with its task's RULER metric (``score`` column, ``task`` column), and
+   ``OUT/report.md`` + plots are written.
+
+This module composes the distributed room (the job) and the eval room (documents, scoring).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import Field
+from transformers import AutoTokenizer
+
+from pipeline.data.locations import is_uri
+from pipeline.distributed.config import HIDDEN, JobConfig
+from pipeline.distributed.driver import JobConfigError, JobFailed, run_job
+from pipeline.engine.config import GenerationConfig
+from pipeline.engine.loading import ModelNotFoundError, resolve_model_path
+from pipeline.eval.scoring import score_answer
+from pipeline.eval.sweep import ruler_documents, sweep_settings, token_counter
+from pipeline.options import OptionParser, fail
+from pipeline.report import build_report
+
+DEFAULT_TASKS = ["niah_single_1", "niah_single_2", "niah_multikey_1", "vt"]
+DEFAULT_METHODS = ["snapkv", "criticalkv-snapkv", "adakv-snapkv", "criticalkv-adakv-snapkv", "headkv-snapkv",
+                   "criticalkv-headkv-snapkv"]
+
+
+class EvalJob(JobConfig):
+    """Sweep"""
+
+    job: Literal["eval_compression"] = Field("eval_compression", json_schema_extra=HIDDEN)
+    tasks: list[str] = Field(DEFAULT_TASKS, description="RULER tasks")
+    length: int = Field(2048, ge=64, description="prompt length in the model's tokens")
+    samples: int = Field(5, ge=1, description="documents per task")
+    seed: int = Field(0, description="seed of the generated documents")
+    methods: list[str] = Field(DEFAULT_METHODS, description="methods swept (spellings as --method)")
+    cache_sizes: list[float] = Field([0.2, 0.4, 1.0], description="kept fractions; 1.0 adds the full-cache "
+                                     "reference (always run)")
+    report_dir: str | None = Field(None, description="local directory for report.md and plots (default: --output; "
+                                   "required when it is a URI)")
+    generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
+
+    cli_exclude: ClassVar[tuple[str, ...]] = (
+        "input", "split", "dataset_config", "columns", "instruction", "sample_docs", "sample_words", "sample_seed",
+        "normalise", "compression.method", "compression.scorer", "compression.allocation", "compression.selection",
+        "compression.cache_size", "compression.budget",
+    )
+
+    @classmethod
+    def option_groups(cls) -> list[tuple[str, list[str]]]:
+        sweep = ["tasks", "length", "samples", "seed", "methods", "cache_sizes", "output", "report_dir"]
+        rest = super().option_groups()
+        return [("sweep", sweep)] + [(title, [n for n in names if n not in sweep]) for title, names in rest]
+
+    def job_config(self, documents: str) -> JobConfig:
+        """The batch job that answers the sweep: ``documents`` as input, every setting swept."""
+        settings = sweep_settings(self.methods, self.cache_sizes, self.compression)
+        fields = self.model_dump(include=set(JobConfig.model_fields) - {"compression", "sweep", "input"})
+        return JobConfig.model_validate({**fields, "input": documents, "compression": settings[0], "sweep": settings})
+
+
+def write_documents(config: EvalJob) -> Path:
+    """The sweep's RULER documents as a Parquet file (fitted with the model's tokenizer)."""
+    try:
+        path, extra = resolve_model_path(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code, **extra)
+    except (ModelNotFoundError, OSError, ValueError) as exc:
+        fail(f"invalid --model: {exc}")
+    try:
+        docs = ruler_documents(config.tasks, config.length, config.samples, token_counter(tokenizer),
+                               seed=config.seed, max_new_tokens=config.generation.max_new_tokens)
+    except ValueError as exc:
+        fail(f"invalid {exc}")
+    for doc in docs:
+        doc.pop("metric")
+    inputs = Path(tempfile.mkdtemp(prefix="criticalkv-eval-")) / "documents.parquet"
+    pq.write_table(pa.Table.from_pylist(docs), inputs)
+    return inputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OptionParser(EvalJob, prog="jobs/eval_compression.py", description=__doc__.splitlines()[0])
+    config, _ = parser.parse(argv)
+    if config.report_dir is None and is_uri(config.output):
+        fail("invalid --report-dir: --output is a URI; give a local directory for the report")
+    try:
+        job = config.job_config(str(write_documents(config)))
+    except ValueError as exc:
+        fail(f"invalid {exc}")
+    settings = ", ".join(f"{s.method}@{s.cache_size:g}" for s in job.sweep)
+    print(f"{config.samples * len(config.tasks)} documents x {len(job.sweep)} settings ({settings})")
+    try:
+        run_job(job, score=score_answer)
+    except JobConfigError as exc:
+        fail(f"invalid {exc}")
+    except JobFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    report = build_report([config.output], Path(config.report_dir or config.output))
+    print(f"report: {report}")
+    return 0

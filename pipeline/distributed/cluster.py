@@ -1,0 +1,84 @@
+"""Where a job runs: connecting to (or starting) Ray, checking that its actors can ever be scheduled
+and that its model exists, and what the manifest records about the cluster."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+import pipeline
+from pipeline.distributed.config import JobConfig
+from pipeline.distributed.rundir import JobConfigError
+from pipeline.engine.loading import SHORT_NAMES, ModelNotFoundError, bundled_gguf, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+def check_model(config: JobConfig) -> None:
+    """Fail fast on a model that cannot be found -- only where the actors will run on this machine
+    (a local Ray); on a cluster the path may exist on the workers only."""
+    if config.engine_factory is not None or config.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    try:
+        if config.model.name.lower() in SHORT_NAMES:
+            bundled_gguf(config.model.name.lower())
+        else:
+            resolve_model_path(config.model)  # for paths: checks files only; hub ids: nothing to check offline
+    except ModelNotFoundError as exc:
+        raise JobConfigError("model.name", str(exc)) from exc
+
+
+def ensure_ray(config: JobConfig) -> tuple[bool, str]:
+    """Connect to (or start) Ray; returns (started here, address description)."""
+    if ray.is_initialized():
+        return False, "already initialised in this process"
+    address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False, address
+    # workers import pipeline (and an engine_factory module) the way this driver does, installed or not
+    paths = [str(Path(pipeline.__file__).resolve().parents[1]), os.getcwd(), os.environ.get("PYTHONPATH", "")]
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
+    return True, "local (started by this job)"
+
+
+def check_resources(config: JobConfig, started_here: bool) -> float:
+    """Resolve cpus per actor and fail fast when a local Ray cannot ever schedule an actor."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    max_cpus = max((r.get("CPU", 0.0) for r in nodes), default=0.0)
+    max_gpus = max((r.get("GPU", 0.0) for r in nodes), default=0.0)
+    cpus = config.resolved_cpus_per_actor(max_cpus or None)
+    problems = []
+    if cpus > max_cpus:
+        problems.append(("cpus_per_actor", f"{cpus:g} CPUs per actor, but the largest node has {max_cpus:g}"))
+    if config.gpus_per_actor > max_gpus:
+        problems.append(("gpus_per_actor", f"{config.gpus_per_actor:g} GPUs per actor, but the largest node has "
+                                           f"{max_gpus:g}"))
+    for field_name, message in problems:
+        if started_here:
+            raise JobConfigError(field_name, message)
+        logger.warning("%s: %s (waiting for the cluster to scale up)", field_name, message)
+    return cpus
+
+
+def cluster_gpus() -> list[dict]:
+    """GPUs per alive Ray node (count and Ray's detected accelerator type), without importing torch."""
+    out = []
+    for node in ray.nodes():
+        resources = node.get("Resources", {})
+        if node.get("Alive") and resources.get("GPU"):
+            kinds = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
+            out.append({"node": node.get("NodeManagerAddress"), "gpus": resources["GPU"], "type": kinds or None})
+    return out
+
+
+def ray_facts(config: JobConfig, address: str, cpus: float) -> dict:
+    """What the manifest records about the cluster this run used."""
+    resources = ray.cluster_resources()
+    return {"address": address, "version": ray.__version__, "cluster_cpus": resources.get("CPU"),
+            "cluster_gpus": resources.get("GPU", 0.0), "cpus_per_actor": cpus, "gpus_per_actor": config.gpus_per_actor,
+            "actors": [config.min_actors, config.max_actors]}

@@ -1,0 +1,250 @@
+"""Configuration of a batch job: :class:`JobConfig` and the two headline jobs' own defaults.
+
+A :class:`JobConfig` bundles the model, compression and generation configs with where the data
+comes from, where results go and how many Ray actors run. It is validated before any actor starts;
+a bad value raises a pydantic ``ValidationError`` whose location names the field
+(``input``, ``output``, ``compression.cache_size``, ``max_actors`` ...). The jobs' command lines are
+generated from these fields (:mod:`pipeline.options`); :class:`LongDocQAJob` and
+:class:`SummarizeJob` hold the defaults that differ between the jobs.
+
+Input: ``input`` is a Parquet file or directory, a JSONL file, a ``save_to_disk`` directory or a hub
+dataset name (see :mod:`pipeline.data.sources`), or an ``s3://`` / ``gs://`` URI of a Parquet or
+JSONL object or a prefix of Parquet objects; ``None`` means the built-in sample documents of the job.
+
+Output: ``output`` is a directory or an ``s3://`` / ``gs://`` prefix; results go to
+``output/data/*.parquet`` and the run manifest to ``output/manifest.json`` (see
+:mod:`pipeline.distributed.driver`). URIs are canonicalised here and never opened: whether the bucket
+exists is checked when the job starts.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipeline.data.locations import StorageError, is_uri, resolve
+from pipeline.data.normalise import ColumnMapping
+from pipeline.data.sources import looks_like_path
+from pipeline.data.synthetic import SUMMARY_INSTRUCTION
+from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.priors import resolve_head_priors
+from pipeline.kv.config import CompressionConfig
+
+JOBS = ("longdoc_qa", "summarize", "eval_compression")
+HIDDEN = {"cli": False}
+
+
+def _parse_uri(value: str) -> str:
+    """A ``file://``, ``s3://`` or ``gs://`` URI, canonicalised (offline: no bucket is contacted)."""
+    try:
+        location = resolve(value)
+    except StorageError as exc:
+        raise ValueError(str(exc)) from None
+    return location.uri
+
+
+def default_output(job: str) -> str:
+    return str(Path("outputs") / f"{job}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+
+
+class JobConfig(BaseModel):
+    """Input and output"""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    job: Literal["longdoc_qa", "summarize", "eval_compression"] = Field("longdoc_qa", json_schema_extra=HIDDEN)
+    # --- input
+    input: str | None = Field(None, description="Parquet file/dir, JSONL, save_to_disk dir, hub dataset, or an "
+                              "s3:// / gs:// URI of Parquet or JSONL (default: built-in sample documents)")
+    split: str | None = Field(None, description="split of a datasets directory or hub dataset")
+    dataset_config: str | None = Field(None, description="hub dataset configuration name")
+    columns: ColumnMapping = Field(default_factory=ColumnMapping)
+    instruction: str | None = Field(None, description="summaries: the instruction every document gets as its "
+                                    "only question")
+    sample_docs: int = Field(3, ge=1, description="built-in samples: number of documents")
+    sample_words: int = Field(800, ge=50, description="built-in samples: words per document")
+    sample_seed: int = Field(0, description="built-in samples: random seed")
+    normalise: Literal["auto", "driver", "ray"] = Field(
+        "auto", description="where input rows are grouped into documents: on the driver, or in Ray tasks "
+        "(auto: Ray for Parquet inputs over 256 MiB)")
+    # --- output
+    output: str = Field(description="output directory or s3:// / gs:// prefix; rerun into it to resume",
+                        json_schema_extra={"shown_default": "a new outputs/<job>-<timestamp>/"})
+    rows_per_file: int = Field(64, ge=1, description="rows bundled per committed Parquet file")
+    retry_errors: bool = Field(False, description="on resume, also redo questions whose row has an error")
+    # --- what runs
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    sweep: list[CompressionConfig] = Field(
+        default_factory=list, json_schema_extra=HIDDEN,
+        description="settings answered from one prefill per document (eval_compression); each answer's row key "
+        "is its question id qualified by the setting (pipeline.engine.types.Setting)")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    engine_factory: str | None = Field(None, description="'package.module:function' building the engine from "
+                                       "(model, compression, generation) configs: custom models, tests")
+    # --- where it runs
+    ray_address: str | None = Field(None, description="Ray cluster to use (default: $RAY_ADDRESS, else a local Ray "
+                                    "started by the job)")
+    num_actors: int | None = Field(None, ge=1, description="fixed actor pool size (sets min and max actors, over "
+                                   "any value they were given)")
+    min_actors: int = Field(1, ge=1, description="smallest actor pool (autoscaling between min and max)")
+    max_actors: int = Field(1, ge=1, description="largest actor pool")
+    gpus_per_actor: float = Field(0.0, ge=0.0, description="GPUs per actor")
+    cpus_per_actor: float | None = Field(None, gt=0.0, description="CPUs per actor (default: 1 with GPUs, else 2 "
+                                         "or all CPUs if fewer)")
+    oom_retry_cache_size: float | None = Field(
+        None, gt=0.0, le=1.0, description="retry a document that ran out of memory once, at this smaller cache size")
+
+    cli_exclude: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def option_groups(cls) -> list[tuple[str, list[str]]]:
+        """Command-line help layout (:mod:`pipeline.options`)."""
+        ray = ["ray_address", "num_actors", "min_actors", "max_actors", "gpus_per_actor", "cpus_per_actor",
+               "oom_retry_cache_size", "engine_factory"]
+        configs = ["columns", "model", "compression", "generation"]
+        io = [n for n in cls.model_fields if n not in ray + configs]
+        return [("input and output", io), ("Ray resources", ray), ("", configs)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_that_depend_on_others(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if not data.get("output"):
+            data["output"] = default_output(data.get("job") or cls.model_fields["job"].default)
+        if data.get("num_actors") is not None:  # a fixed pool: wins over min/max actors
+            data["min_actors"] = data["max_actors"] = data["num_actors"]
+        return data
+
+    @field_validator("input")
+    @classmethod
+    def _input_exists(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError("input must not be empty (leave it unset for the built-in samples)")
+        if is_uri(value):
+            return _parse_uri(value)
+        if not Path(value).expanduser().exists() and looks_like_path(value):
+            raise ValueError(f"no such file or directory: {value}")
+        return value
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _output_text(cls, value: object) -> object:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("output")
+    @classmethod
+    def _output_is_dir(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("output must not be empty")
+        if is_uri(value):
+            return _parse_uri(value)
+        path = Path(value).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{value} exists and is a file; the output must be a directory")
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ValueError(f"{parent} is a file, so {value} cannot be created")
+        return value
+
+    @field_validator("engine_factory")
+    @classmethod
+    def _factory_path(cls, value: str | None) -> str | None:
+        if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
+            raise ValueError(f"expected 'package.module:function', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        if self.min_actors > self.max_actors:
+            raise ValueError(f"min_actors ({self.min_actors}) must not exceed max_actors ({self.max_actors})")
+        if self.job == "summarize" and self.instruction is not None and not self.instruction.strip():
+            raise ValueError("instruction must not be empty")
+        for setting in [self.compression, *self.sweep]:
+            resolve_head_priors(setting, self.model.name)  # a headkv method needs a priors file: fail now
+        return self
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def batch_size(self) -> int:
+        """Documents per actor call; equal to the engine's prefill batch (one call = one batch)."""
+        return self.generation.batch_size
+
+    def resolved_cpus_per_actor(self, cluster_cpus: float | None = None) -> float:
+        if self.cpus_per_actor is not None:
+            return self.cpus_per_actor
+        if self.gpus_per_actor > 0:
+            return 1.0
+        return float(max(1, min(2, int(cluster_cpus or 2))))
+
+    def identity(self) -> dict:
+        """The settings that decide what a result row means; a resumed run must match them.
+
+        Resources, batching and input location may change between runs into the same output
+        directory; the model, method, budgets, decoding limits and prompts may not.
+        """
+        return {
+            "job": self.job,
+            "instruction": self.instruction,
+            "engine_factory": self.engine_factory,
+            "model": self.model.model_dump(mode="json", exclude={"cache_dir"}),
+            "compression": self.compression.model_dump(mode="json"),
+            "sweep": [c.model_dump(mode="json") for c in self.sweep],
+            "generation": self.generation.model_dump(mode="json", exclude={"batch_size"}),
+        }
+
+    def fingerprint(self) -> str:
+        text = json.dumps(self.identity(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class LongDocQAJob(JobConfig):
+    """Input and output"""
+
+    job: Literal["longdoc_qa"] = Field("longdoc_qa", json_schema_extra=HIDDEN)
+    compression: CompressionConfig = Field(
+        default_factory=lambda: CompressionConfig(method="criticalkv-snapkv", cache_size=0.5))
+    generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
+
+    cli_exclude: ClassVar[tuple[str, ...]] = ("instruction",)
+
+
+class SummarizeJob(JobConfig):
+    """Input and output"""
+
+    job: Literal["summarize"] = Field("summarize", json_schema_extra=HIDDEN)
+    instruction: str | None = Field(SUMMARY_INSTRUCTION, description="the instruction every document gets as its "
+                                    "only question")
+    sample_docs: int = Field(2, ge=1, description="built-in samples: number of documents")
+    sample_words: int = Field(400, ge=50, description="built-in samples: words per document")
+    compression: CompressionConfig = Field(
+        default_factory=lambda: CompressionConfig(method="criticalkv-snapkv", cache_size=0.5))
+    generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=64))
+
+    cli_exclude: ClassVar[tuple[str, ...]] = (
+        "columns.question", "columns.questions", "columns.question_id")
+
+
+JOB_CONFIGS: dict[str, type[JobConfig]] = {"longdoc_qa": LongDocQAJob, "summarize": SummarizeJob}
+
+
+def identity_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable differences between two :meth:`JobConfig.identity` dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += identity_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out

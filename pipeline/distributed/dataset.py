@@ -1,0 +1,81 @@
+"""The lazy Ray Dataset of a job: documents -> Predictor actors -> output rows (not executed here)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import ray
+from ray.data import ActorPoolStrategy
+
+from pipeline.data.normalise import normalise_batch
+from pipeline.distributed.config import JobConfig
+from pipeline.distributed.inputs import (
+    add_instruction_column,
+    apply_instruction,
+    check_ray_input,
+    drop_done,
+    input_location,
+    instruction_mapping,
+)
+from pipeline.distributed.predictor import Predictor, ScoreFunction, setting_of
+
+
+def blocks_of(table: pa.Table, batch_size: int) -> list[pa.Table]:
+    """One block per actor batch; documents of similar length batched together."""
+    order = list(range(table.num_rows))
+    if batch_size > 1 and table.num_rows > 1:
+        lengths = [len(c) if c else 0 for c in table.column("context").to_pylist()]
+        order.sort(key=lambda i: lengths[i])
+    # take() copies: each block owns its buffers (a slice would ship the whole table's buffers)
+    return [table.take(pa.array(order[i:i + batch_size], pa.int64())) for i in range(0, len(order), batch_size)]
+
+
+def ray_documents(config: JobConfig, done: dict[str, list[str]]):
+    """Documents read and normalised in Ray tasks (``normalise="ray"``), already-done ones dropped."""
+    location = input_location(config)
+    cols = check_ray_input(config)
+    ds = ray.data.read_parquet(location.path, filesystem=location.fs, file_extensions=["parquet", "pq"])
+    mapping = config.columns
+    if config.instruction is not None:
+        ds = ds.map_batches(add_instruction_column, fn_kwargs={"instruction": config.instruction},
+                            batch_format="pyarrow")
+        mapping = instruction_mapping(config)
+    if cols["listed"]:
+        ds = ds.map_batches(normalise_batch, fn_kwargs={"mapping": mapping}, batch_format="pyarrow")
+    else:
+        ds = ds.groupby(cols["id"]).map_groups(normalise_batch, fn_kwargs={"mapping": mapping},
+                                               batch_format="pyarrow")
+    if config.instruction is not None:
+        ds = ds.map_batches(apply_instruction, fn_kwargs={"instruction": config.instruction}, batch_format="pyarrow")
+    sweep = [setting_of(c).columns() for c in config.sweep]
+    return ds.map_batches(drop_done, fn_kwargs={"done": done, "sweep": sweep}, batch_format="pyarrow")
+
+
+def build_dataset(config: JobConfig, docs: pa.Table | None, done: dict[str, list[str]], run_id: str, cpus: float,
+                  score: ScoreFunction | None = None):
+    """The job's dataset: ``docs`` (driver-normalised) or the Ray-normalised input, then the actors."""
+    if docs is not None:
+        # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
+        ds = ray.data.from_blocks(blocks_of(docs, config.batch_size))
+    else:
+        ds = ray_documents(config, done)
+    job_fields = {"run_id": run_id, "job": config.job, "model": config.model.name,
+                  **setting_of(config.compression).columns()}
+    gpu_args = {"num_gpus": config.gpus_per_actor} if config.gpus_per_actor > 0 else {}
+    return ds.map_batches(
+        Predictor,
+        fn_constructor_kwargs={
+            "model": config.model.model_dump(mode="json"),
+            "compression": config.compression.model_dump(mode="json"),
+            "generation": config.generation.model_dump(mode="json"),
+            "job_fields": job_fields,
+            "engine_factory": config.engine_factory,
+            "sweep": [c.model_dump(mode="json") for c in config.sweep],
+            "oom_retry_cache_size": config.oom_retry_cache_size,
+            "score": score,
+        },
+        compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
+        num_cpus=cpus,
+        batch_size=config.batch_size,
+        batch_format="pyarrow",
+        **gpu_args,
+    )

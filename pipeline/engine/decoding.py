@@ -1,0 +1,129 @@
+"""Prefill and greedy decoding over one cache: the context chunk, then each question round.
+
+For question round r (question r of every row), the question chunk is prefilled at positions
+continuing each row's own original context length, then tokens are decoded one by one until EOS or
+the row's ``max_new_tokens``; the cache is rolled back to the compressed context before the next
+round, so one compressed context answers many questions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import hooks
+from ..kv.cache import ChunkCache, VarLenCache, run_chunk
+from .batching import Row, left_pad
+from .memory import now
+
+
+@dataclass
+class RoundResult:
+    """One row's answer to one question round."""
+
+    text: str
+    generated_tokens: int  # EOS counts as generated
+    question_tokens: int
+    question_s: float  # the round's question prefill (the batch's)
+    decode_s: float  # the round's decode steps after the first token (the batch's)
+    steps: int
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id the model or tokenizer declares as end of sequence."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("the model defines no EOS token; cannot decide when generation ends")
+    return ids
+
+
+class Decoder:
+    """Runs the chunks of one batch through ``model`` (which uses the registered varlen attention)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def forward(self, cache: ChunkCache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One chunk; returns the last position's logits (B, V) in float32."""
+        return run_chunk(self.model, cache, ids, pos, logits_to_keep=1).logits[:, -1].float()
+
+    def prefill(self, rows: list[Row], cache: ChunkCache, cache_size: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded context prefill into ``cache`` -> (context lengths (B,), last logits (B, V))."""
+        hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache_size)
+        ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
+        zeros = torch.zeros(len(rows), dtype=torch.long)
+        ids, pos = left_pad([r.prompt.context_ids for r in rows], zeros, self.pad_id, self.device)
+        return ctx_len, self.forward(cache, ids, pos)
+
+    def answer_rounds(self, cache: VarLenCache, rows: list[Row], ctx_len: torch.Tensor, logits: torch.Tensor,
+                      limits: list[int]) -> list[list[RoundResult]]:
+        """Every question round from one compressed context (rolled back between rounds);
+        ``limits``: each row's max new tokens. Returns [round][row]."""
+        rounds = max(len(r.question_indices) for r in rows)
+        if rounds > 1:
+            cache.snapshot()
+        per_round = []
+        for r in range(rounds):
+            if r > 0:
+                cache.restore()
+            per_round.append(self._answer_round(cache, rows, r, ctx_len, logits, limits))
+        return per_round
+
+    def _answer_round(self, cache: VarLenCache, rows: list[Row], r: int, ctx_len: torch.Tensor,
+                      prefill_logits: torch.Tensor, limits: list[int]) -> list[RoundResult]:
+        """Prefill question r of every row (rows without one repeat their last) and decode greedily."""
+        q_ids = [row.prompt.question_ids[min(r, len(row.prompt.question_ids) - 1)] for row in rows]
+        q_len = torch.tensor([len(q) for q in q_ids])
+        t0 = now(self.device)
+        if int(q_len.max()) > 0:
+            cache.reserve(int(q_len.max()) + max(limits))
+            logits = self.forward(cache, *left_pad(q_ids, ctx_len, self.pad_id, self.device))
+        else:  # query-aware: the question was part of the context chunk
+            cache.reserve(max(limits))
+            logits = prefill_logits
+        q_s = now(self.device) - t0
+        t1 = now(self.device)
+        tokens, steps = self._greedy(cache, logits, (ctx_len + q_len).to(self.device), limits)
+        decode_s = now(self.device) - t1
+        return [
+            RoundResult(
+                text=self.tokenizer.decode(tokens[b], skip_special_tokens=True),
+                generated_tokens=len(tokens[b]) + (1 if len(tokens[b]) < limits[b] else 0),
+                question_tokens=int(q_len[b]), question_s=q_s, decode_s=decode_s, steps=steps,
+            )
+            for b in range(len(rows))
+        ]
+
+    def _greedy(self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor,
+                limits: list[int]) -> tuple[list[list[int]], int]:
+        """Greedy tokens per row (EOS excluded) and the number of decode forwards."""
+        bsz = logits.shape[0]
+        tokens: list[list[int]] = [[] for _ in range(bsz)]
+        done = [False] * bsz
+        steps = 0
+        while True:
+            choice = logits.argmax(-1).tolist()
+            for b in range(bsz):
+                if not done[b]:
+                    if choice[b] in self.eos_ids:
+                        done[b] = True
+                    else:
+                        tokens[b].append(choice[b])
+                        done[b] = len(tokens[b]) >= limits[b]
+            if all(done):
+                return tokens, steps
+            step_ids = torch.tensor(choice, dtype=torch.long, device=self.device)[:, None]
+            logits = self.forward(cache, step_ids, next_pos[:, None])
+            next_pos = next_pos + 1
+            steps += 1

@@ -1,0 +1,150 @@
+"""The three kinds of part a compression method is built from, and their registries' base types.
+
+A method is ``scorer x allocation x selection`` (see ``docs/ARCHITECTURE.md``):
+
+* a :class:`Scorer` turns one layer's prefill into base scores s (B, H_kv, n) float32, with
+  ``+inf`` on the observation window (always kept, inside the budget) and ``-inf`` on padding
+  (never keepable);
+* an :class:`Allocation` decides how many entries each (row, KV head) keeps, (B, H_kv) long;
+* a :class:`Selection` decides which entries fill each head's count, (B, H_kv, n) bool.
+
+Each part is one small module with a class deriving from one of these, registered by name in
+its package's ``__init__`` (``pipeline.kv.scorers.SCORERS`` ...). A part's own knobs are a pydantic
+model assigned to ``options``; :class:`pipeline.kv.config.CompressionConfig` inherits every
+registered part's options, so a knob is declared once, on the part that uses it, and the command
+lines of every entry point are generated from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+
+import torch
+from pydantic import BaseModel
+
+if TYPE_CHECKING:  # annotations only: config imports the registries, which import this module
+    from .config import CompressionConfig
+    from .value_norms import NormStats, OutputProjection
+
+
+@dataclass
+class LayerContext:
+    """One layer's prefill as the parts see it.
+
+    key, value: (B, H_kv, n, D) post-RoPE; key_pos: (B, n) original positions, -1 on padding;
+    lengths / row_budget / row_window: (B,) long (real tokens, kept entries per head and
+    observation window of each row, see :func:`pipeline.kv.allocation.row_budgets`);
+    observed: what the scorer's :meth:`Scorer.observe` kept of the prefill queries;
+    projection(): the layer's W_O slices (float32, cached by the compressor);
+    head_priors: (L, H_kv) HeadKV priors or None.
+    """
+
+    layer_idx: int
+    key: torch.Tensor
+    value: torch.Tensor
+    key_pos: torch.Tensor
+    scaling: float
+    lengths: torch.Tensor
+    row_budget: torch.Tensor
+    row_window: torch.Tensor
+    observed: object
+    projection: Callable[[], "OutputProjection"]
+    head_priors: torch.Tensor | None = None
+
+
+class Part:
+    """Common to all parts: a registry name, optional knobs and a consistency check."""
+
+    name: ClassVar[str]
+    #: the part's knobs: a pydantic model (or several shared with other parts), inherited by CompressionConfig
+    options: ClassVar[type[BaseModel] | tuple[type[BaseModel], ...] | None] = None
+    summary: ClassVar[str] = ""
+    #: the engine must load per-head priors (HeadKV) and pass them as ``LayerContext.head_priors``
+    needs_head_priors: ClassVar[bool] = False
+
+    def check(self, config: "CompressionConfig") -> None:
+        """Raise ``ValueError`` when ``config`` cannot run with this part (default: nothing to check)."""
+
+    def option_models(self) -> tuple[type[BaseModel], ...]:
+        if self.options is None:
+            return ()
+        return self.options if isinstance(self.options, tuple) else (self.options,)
+
+
+class Scorer(Part):
+    """Base scores of context entries (see the module docstring for the conventions)."""
+
+    def observed_queries(self, config: "CompressionConfig") -> int:
+        """How many of the last prefill queries :meth:`observe` keeps (0: none)."""
+        return 0
+
+    def observe(self, query: torch.Tensor, key_pos: torch.Tensor, config: "CompressionConfig") -> object:
+        """What the scorer needs of the prefill queries, kept while the layer's attention runs.
+
+        query: (B, H_q, n, D) post-RoPE. Default: the last :meth:`observed_queries` queries (a
+        view) or None. Called once per layer; a compression sweep keeps the result of every setting.
+        """
+        tail = self.observed_queries(config)
+        return query[:, :, -tail:] if tail else None
+
+    def score(self, ctx: LayerContext, config: "CompressionConfig") -> torch.Tensor:
+        """(B, H_kv, n) float32 base scores."""
+        raise NotImplementedError
+
+
+class Allocation(Part):
+    """Per-head counts (never which entries)."""
+
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config: "CompressionConfig") -> torch.Tensor:
+        """scores: (B, H_kv, n) base scores -> (B, H_kv) long kept entries per head."""
+        raise NotImplementedError
+
+
+class Selection(Part):
+    """Which entries fill each head's count."""
+
+    def select(
+        self,
+        scores: torch.Tensor,
+        head_budget: torch.Tensor,
+        ctx: LayerContext,
+        config: "CompressionConfig",
+        stats: "NormStats",
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (keep (B, H_kv, n) bool, projected value norms (B, H_kv, n) float32 with NaN
+        where not computed, or None when the selection computes none)."""
+        raise NotImplementedError
+
+
+P = TypeVar("P", bound=Part)
+
+
+class Registry(Mapping[str, P], Generic[P]):
+    """Name -> part, in registration order; unknown names fail with the list of known ones."""
+
+    def __init__(self, kind: str, parts: list[P]) -> None:
+        self.kind = kind
+        self._parts: dict[str, P] = {}
+        for part in parts:
+            if part.name in self._parts:
+                raise ValueError(f"{kind} {part.name!r} registered twice")
+            if "-" in part.name:
+                raise ValueError(f"{kind} name {part.name!r}: '-' separates parts in method names")
+            self._parts[part.name] = part
+
+    def __getitem__(self, name: str) -> P:
+        try:
+            return self._parts[name]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of {', '.join(self._parts)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._parts
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)

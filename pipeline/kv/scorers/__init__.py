@@ -1,0 +1,9 @@
+"""Scorers: one module each, registered here by name (see :mod:`pipeline.kv.parts`)."""
+
+from ..parts import Registry, Scorer
+from . import snapkv, streamingllm
+
+SCORERS: Registry[Scorer] = Registry("scorer", [
+    snapkv.SnapKV(),
+    streamingllm.StreamingLLM(),
+])

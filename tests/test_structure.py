@@ -1,0 +1,150 @@
+"""The code's shape, checked: the module import graph of ``pipeline/`` has no cycle and follows the
+rooms' layering, the report does not need torch, modules and functions stay small.
+
+Layers (``docs/ARCHITECTURE.md``): ``kv`` <- ``engine`` <- {``distributed``, ``eval``} <- ``apps``, with
+``data`` (and the small top-level helpers ``options``, ``hooks``) at the ground and ``report`` on
+``data`` only. An arrow means "may import"; nothing imports upwards or sideways between
+``distributed`` and ``eval``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pipeline"
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+# room -> rooms it may import (besides itself); "ground" modules may be imported by everyone
+ALLOWED = {
+    "ground": set(),
+    "data": {"ground"},
+    "kv": {"ground"},
+    "engine": {"ground", "data", "kv"},
+    "distributed": {"ground", "data", "kv", "engine"},
+    "eval": {"ground", "data", "kv", "engine"},
+    "report": {"ground", "data"},
+    "apps": {"ground", "data", "kv", "engine", "distributed", "eval", "report"},
+    "top": {"ground", "data", "kv", "engine", "distributed", "eval", "report", "apps"},
+}
+GROUND = {"pipeline", "pipeline.options", "pipeline.hooks"}
+TOP = {"pipeline.generate"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _room(module: str) -> str:
+    if module in GROUND:
+        return "ground"
+    if module in TOP:
+        return "top"
+    return module.split(".")[1]
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def module_level_imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of ``pipeline`` imported by ``module`` when it is imported: everything outside function
+    bodies and ``if TYPE_CHECKING:`` blocks."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):  # a submodule when the name is one, else the package itself
+            target = _resolve(module, path, node)
+            found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in known and m != module}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: module_level_imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def test_import_graph_has_no_cycle(graph):
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_rooms_import_only_downwards(graph):
+    wrong = []
+    for module, targets in graph.items():
+        room = _room(module)
+        for target in targets:
+            other = _room(target)
+            if other != room and other not in ALLOWED[room] and not (module.startswith(target + ".")):
+                wrong.append(f"{module} ({room}) imports {target} ({other})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_report_imports_without_torch():
+    code = "import sys, pipeline.report; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _long_functions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return out
+
+
+def test_modules_and_functions_are_small():
+    too_long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in sorted(PACKAGE.rglob("*.py"))
+                if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    long_functions = [f for p in sorted(PACKAGE.rglob("*.py")) for f in _long_functions(p)]
+    assert not too_long and not long_functions, "\n".join(too_long + long_functions)
+
+
+def test_code_refers_to_no_file_outside_the_repository():
+    mentions = [f"{p.relative_to(ROOT)}" for p in sorted(PACKAGE.rglob("*.py")) if "DESIGN.md" in p.read_text()]
+    assert not mentions, f"DESIGN.md is not in the repository; see docs/ARCHITECTURE.md: {mentions}"
