@@ -31,13 +31,15 @@ def priors_scores(num_layers: int, num_kv_heads: int) -> list[list[float]]:
 
 
 def batch_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, n) left-padded ids (pad 258) and positions (-1 on padding)."""
+    """(B, n) left-padded ids (pad 258) and positions (-1 on padding). No token repeats within a row:
+    equal tokens have equal values, and their exact criticality ties were broken arbitrarily by the
+    old code's ``torch.topk`` (today: the earlier position), which would make the pin meaningless there."""
     g = torch.Generator().manual_seed(seed)
     width = max(LENGTHS)
     ids = torch.full((len(LENGTHS), width), 258, dtype=torch.long)
     pos = torch.full((len(LENGTHS), width), -1, dtype=torch.long)
     for b, n in enumerate(LENGTHS):
-        ids[b, width - n :] = torch.randint(0, 256, (n,), generator=g)
+        ids[b, width - n :] = torch.randperm(256, generator=g)[:n]
         pos[b, width - n :] = torch.arange(n)
     return ids, pos
 

@@ -52,7 +52,7 @@ def criticality_topk(
 
     scores: (B, H, n) finite on candidates; value: (B, H, n, D); candidates: (B, H, n) bool;
     k: (B, H) long. Returns (chosen (B, H, n) bool, norms (B, H, n) float32, NaN where m was
-    not computed).
+    not computed). Ties go to the earlier position (deterministic, the same at any padding).
     """
     stats = stats if stats is not None else NormStats()
     weight = scores.float().clamp(min=0) + epsilon
@@ -64,7 +64,7 @@ def criticality_topk(
         stats.exact_s += time.perf_counter() - t0
         stats.candidates += int(candidates.sum())
         crit = torch.where(candidates, weight * norms, neg_inf)
-        return topk_mask(crit, k) & candidates, norms
+        return (rank_desc(crit) < k[..., None]) & candidates, norms
 
     need = candidates & (k[..., None] > 0)
     bound = torch.where(need, weight * l1_upper_bounds(value, proj), neg_inf)
@@ -81,7 +81,8 @@ def criticality_topk(
     stats.exact_s += time.perf_counter() - t1
     stats.candidates += int(need.sum())
     stats.exact += computed
-    return topk_mask(crit, k) & need, norms
+    # ties (equal tokens have equal norms) go to the earlier position, as in every other selection
+    return (rank_desc(crit) < k[..., None]) & need, norms
 
 
 def two_stage_select(
