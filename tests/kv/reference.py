@@ -126,6 +126,19 @@ def headkv_reference(priors, layer, budget, window, length, alpha):
     return [min(max(x, window), length) for x in counts]
 
 
+def knorm_reference(key, window):
+    """Scores for ONE unpadded row: softmax over positions of -||K_j||_2 / sqrt(D), window +inf."""
+    h_kv, n, d = key.shape
+    out = []
+    for h in range(h_kv):
+        logits = [-math.sqrt(sum(float(x) ** 2 for x in key[h, j])) / math.sqrt(d) for j in range(n)]
+        m = max(logits)
+        exps = [math.exp(x - m) for x in logits]
+        z = sum(exps)
+        out.append([math.inf if j >= n - min(window, n) else exps[j] / z for j in range(n)])
+    return out
+
+
 # ---------------------------------------------------------------------- per-part references
 # Every registered part has one here (tests/kv/test_parts.py fails for a part without one).
 # Scorers: (query (H_q, n, D), key (H_kv, n, D), value, window, config, scaling) -> [H_kv][n] for ONE unpadded row.
@@ -133,6 +146,7 @@ SCORER_REFERENCES = {
     "snapkv": lambda q, k, v, w, cfg, scaling: snapkv_reference(q, k, q.shape[1], w, cfg.kernel, cfg.pooling, scaling),
     "streamingllm": lambda q, k, v, w, cfg, scaling: [streamingllm_reference(k.shape[1], w, cfg.sink_tokens)]
     * k.shape[0],
+    "knorm": lambda q, k, v, w, cfg, scaling: knorm_reference(k, w),
 }
 # Allocations: (scores [H][n], budget, window, length, config, priors [L][H] or None, layer) -> [H] counts.
 ALLOCATION_REFERENCES = {

@@ -1,9 +1,10 @@
 """Scorers: one module each, registered here by name (see :mod:`pipeline.kv.parts`)."""
 
 from ..parts import Registry, Scorer
-from . import snapkv, streamingllm
+from . import knorm, snapkv, streamingllm
 
 SCORERS: Registry[Scorer] = Registry("scorer", [
     snapkv.SnapKV(),
     streamingllm.StreamingLLM(),
+    knorm.KNorm(),
 ])
