@@ -14,18 +14,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.kv.config import CompressionConfig  # noqa: E402
-
-from pipeline.engine.config import ModelConfig  # noqa: E402
 from pipeline.data.synthetic import sample_qa_documents  # noqa: E402
+from pipeline.engine.config import ModelConfig  # noqa: E402
 from pipeline.engine.loading import load_model  # noqa: E402
 from pipeline.kv.attention import register  # noqa: E402
 from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
 from pipeline.kv.compress import Compressor  # noqa: E402
+from pipeline.kv.config import CompressionConfig  # noqa: E402
 
 
 def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
 
 
 def load_smollm2():

@@ -36,7 +36,10 @@ def main() -> None:
     print(f"machine: {machine()}")
 
     print("\n## Prefill time (context prefill + compression), median of", args.repeats, "interleaved runs\n")
-    print("| tokens | none s | snapkv s | criticalkv-snapkv s | criticalkv (l2) s | CriticalKV/SnapKV | CriticalKV-l2/SnapKV | compress share (criticalkv) |")
+    print(
+        "| tokens | none s | snapkv s | criticalkv-snapkv s | criticalkv (l2) s | CriticalKV/SnapKV | "
+        "CriticalKV-l2/SnapKV | compress share (criticalkv) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = context_ids(tok, n)
@@ -50,8 +53,12 @@ def main() -> None:
                 if name == "criticalkv-snapkv":
                     compress.append(cache.compress_seconds / seconds)
         m = {k: median(v) for k, v in times.items()}
-        print(f"| {n} | {m['none']:.2f} | {m['snapkv']:.2f} | {m['criticalkv-snapkv']:.2f} | {m['criticalkv-snapkv (l2)']:.2f} | "
-              f"{m['criticalkv-snapkv'] / m['snapkv']:.3f} | {m['criticalkv-snapkv (l2)'] / m['snapkv']:.3f} | {median(compress):.1%} |")
+        print(
+            f"| {n} | {m['none']:.2f} | {m['snapkv']:.2f} | {m['criticalkv-snapkv']:.2f} | "
+            f"{m['criticalkv-snapkv (l2)']:.2f} | "
+            f"{m['criticalkv-snapkv'] / m['snapkv']:.3f} | {m['criticalkv-snapkv (l2)'] / m['snapkv']:.3f} | "
+            f"{median(compress):.1%} |"
+        )
 
     n = max(int(x) for x in args.lengths.split(","))
     ids = context_ids(tok, n)
@@ -64,13 +71,21 @@ def main() -> None:
     for method in ["criticalkv-snapkv", "criticalkv-adakv-snapkv"]:
         for size in (0.2, 0.4):
             _, cache = prefill(model, CompressionConfig(method=method, cache_size=size), ids)
-            print(f"| {method} | {size} | {int(cache.context_entries.sum()) / full_entries:.4f} | {cache.nbytes() / full_bytes:.4f} |")
+            print(
+                f"| {method} | {size} | {int(cache.context_entries.sum()) / full_entries:.4f} | "
+                f"{cache.nbytes() / full_bytes:.4f} |"
+            )
 
-    print(f"\n## Decode ms/token at {n} tokens (median over {args.decode_steps} steps, {args.repeats} interleaved runs)\n")
+    print(
+        f"\n## Decode ms/token at {n} tokens (median over {args.decode_steps} steps, {args.repeats} interleaved runs)\n"
+    )
     print("| cache | ms/token | ratio to full |")
     print("|---|---:|---:|")
     runs = {"full (none)": [], "criticalkv-adakv-snapkv 0.2": []}
-    cfgs = {"full (none)": CompressionConfig(), "criticalkv-adakv-snapkv 0.2": CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.2)}
+    cfgs = {
+        "full (none)": CompressionConfig(),
+        "criticalkv-adakv-snapkv 0.2": CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.2),
+    }
     caches = {name: prefill(model, c, ids)[1] for name, c in cfgs.items()}
     for _ in range(args.repeats):
         for name in runs:

@@ -50,7 +50,10 @@ COMPRESSED = "criticalkv-adakv-snapkv"
 def configs(cache_size: float) -> dict:
     from pipeline.kv.config import CompressionConfig
 
-    return {"none": CompressionConfig(method="none"), COMPRESSED: CompressionConfig(method=COMPRESSED, cache_size=cache_size)}
+    return {
+        "none": CompressionConfig(method="none"),
+        COMPRESSED: CompressionConfig(method=COMPRESSED, cache_size=cache_size),
+    }
 
 
 def measure_length(model, ids: torch.Tensor, cfgs: dict, repeats: int, prefill_repeats: int, decode_steps: int) -> dict:
@@ -124,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-repeats", type=int, default=None, help="interleaved prefill runs (default: --repeats)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--cache-size", type=float, default=0.2)
-    p.add_argument("--out", default=str(RESULTS_DIR / "full_cache_scaling.md"), help="also write the Markdown here ('' = don't)")
+    p.add_argument(
+        "--out", default=str(RESULTS_DIR / "full_cache_scaling.md"), help="also write the Markdown here ('' = don't)"
+    )
     p.add_argument("--plot", default=str(RESULTS_DIR / "full_cache_scaling.png"), help="PNG path ('' = none)")
     args = p.parse_args(argv)
 
@@ -151,9 +156,11 @@ def main(argv: list[str] | None = None) -> None:
 
     limits = measure_limits().best(limits)  # best of start and end of the run
     full_bytes = {n: n * shape.layers * shape.kv_heads * shape.kv_entry_bytes_fp32 for n in lengths}
-    emit(f"\nLibrary defaults for {COMPRESSED} (window 32, max-pool 7, alpha 0.5, eps 1e-4, safeguard 0.2), fp32, "
-         f"{args.decode_steps} decode steps per run; decode medians over {args.repeats} interleaved runs, prefill over "
-         f"{prefill_repeats}. Bound: see section 'limits' below.\n")
+    emit(
+        f"\nLibrary defaults for {COMPRESSED} (window 32, max-pool 7, alpha 0.5, eps 1e-4, safeguard 0.2), fp32, "
+        f"{args.decode_steps} decode steps per run; decode medians over {args.repeats} interleaved runs, prefill over "
+        f"{prefill_repeats}. Bound: see section 'limits' below.\n"
+    )
     rows = []
     dec, bnd, kvb = {k: [] for k in cfgs}, {k: [] for k in cfgs}, {k: [] for k in cfgs}
     for n in lengths:
@@ -166,14 +173,40 @@ def main(argv: list[str] | None = None) -> None:
             bnd[name].append(1000 * bound)
             kvb[name].append(r["kv_bytes"])
             full_ms = median(results[n]["none"]["decode_ms"])
-            rows.append([
-                n, name, fmt_bytes(r["kv_bytes"]), f"{r['kv_bytes'] / full_bytes[n]:.3f}",
-                f"{median(r['prefill_s']):.2f}", f"{median(r['compress_s']):.3f}" if name != "none" else "-",
-                fmt_bytes(median(r["peak_rss"])) if median(r["peak_rss"]) == median(r["peak_rss"]) else "n/a",
-                f"{ms:.1f}", fmt_ratio(ms, full_ms), f"{1000 * bound:.1f}", f"{1000 * bound / ms:.0%}",
-            ])
-    emit(table(["tokens", "cache", "KV held", "KV / full fp32", "prefill s", "compress s", "peak RSS delta", "decode ms/token",
-                "decode / full", "bound ms", "achieved"], rows, "rlrrrrrrrrr"))
+            rows.append(
+                [
+                    n,
+                    name,
+                    fmt_bytes(r["kv_bytes"]),
+                    f"{r['kv_bytes'] / full_bytes[n]:.3f}",
+                    f"{median(r['prefill_s']):.2f}",
+                    f"{median(r['compress_s']):.3f}" if name != "none" else "-",
+                    fmt_bytes(median(r["peak_rss"])) if median(r["peak_rss"]) == median(r["peak_rss"]) else "n/a",
+                    f"{ms:.1f}",
+                    fmt_ratio(ms, full_ms),
+                    f"{1000 * bound:.1f}",
+                    f"{1000 * bound / ms:.0%}",
+                ]
+            )
+    emit(
+        table(
+            [
+                "tokens",
+                "cache",
+                "KV held",
+                "KV / full fp32",
+                "prefill s",
+                "compress s",
+                "peak RSS delta",
+                "decode ms/token",
+                "decode / full",
+                "bound ms",
+                "achieved",
+            ],
+            rows,
+            "rlrrrrrrrrr",
+        )
+    )
 
     emit(f"\nGrowth relative to {lengths[0]} tokens (x):\n")
     rows = []
@@ -182,16 +215,27 @@ def main(argv: list[str] | None = None) -> None:
         for name in cfgs:
             row += [fmt_ratio(dec[name][i], dec[name][0]), fmt_ratio(kvb[name][i], kvb[name][0])]
         rows.append(row)
-    emit(table(["tokens", "context x", "full: decode x", "full: KV x", f"{COMPRESSED}: decode x", f"{COMPRESSED}: KV x"], rows, "rrrrrr"))
+    emit(
+        table(
+            ["tokens", "context x", "full: decode x", "full: KV x", f"{COMPRESSED}: decode x", f"{COMPRESSED}: KV x"],
+            rows,
+            "rrrrrr",
+        )
+    )
     emit("\n### limits\n")
     emit(table(["limit", "measured", "how"], limits.rows(), "lrl"))
     emit("\n(Limits: best of a measurement at the start and one at the end of this run.)")
     growth = []
     for name in cfgs:
-        growth.append(f"{name}: bound x{bnd[name][-1] / bnd[name][0]:.2f}, measured x{dec[name][-1] / dec[name][0]:.2f}")
-    emit(f"\nDecode bound = max(bytes / {limits.bandwidth_gbs:.1f} GB/s, FLOPs / {limits.matmul_gflops:.0f} GFLOP/s), bytes = "
-         f"weights ({fmt_bytes(shape.weight_bytes)}, tied embedding once) + KV entries attended (kept context + half the "
-         f"decoded steps) x {shape.kv_entry_bytes_fp32} B. From {lengths[0]} to {lengths[-1]} tokens: " + "; ".join(growth) + ".")
+        growth.append(
+            f"{name}: bound x{bnd[name][-1] / bnd[name][0]:.2f}, measured x{dec[name][-1] / dec[name][0]:.2f}"
+        )
+    emit(
+        f"\nDecode bound = max(bytes / {limits.bandwidth_gbs:.1f} GB/s, FLOPs / {limits.matmul_gflops:.0f} GFLOP/s), "
+        f"bytes = weights ({fmt_bytes(shape.weight_bytes)}, tied embedding once) + KV entries attended "
+        f"(kept context + half the decoded steps) x {shape.kv_entry_bytes_fp32} B. "
+        f"From {lengths[0]} to {lengths[-1]} tokens: " + "; ".join(growth) + "."
+    )
     if args.plot:
         path = plot(Path(args.plot), lengths, dec, bnd, kvb)
         if path:

@@ -45,15 +45,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.kv.config import CompressionConfig  # noqa: E402
 from pipeline.kv.attention import register  # noqa: E402
 from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
 from pipeline.kv.compress import Compressor  # noqa: E402
+from pipeline.kv.config import CompressionConfig  # noqa: E402
 
-LLAMA_31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                   intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072)
-SMOKE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=256, vocab_size=1024, max_position_embeddings=4096)
+LLAMA_31_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+)
+SMOKE = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+)
 METHODS = ("none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv")
 
 
@@ -102,7 +116,7 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
         model = LlamaForCausalLM(config)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if param.dim() >= 2:
             param.normal_(0.0, 0.02, generator=gen)
         else:  # RMSNorm weights
@@ -115,7 +129,9 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
             try:
                 fresh = type(module)(config=config)
             except TypeError as exc:
-                raise RuntimeError(f"cannot rebuild the buffers of {type(module).__name__} after to_empty: {exc}") from exc
+                raise RuntimeError(
+                    f"cannot rebuild the buffers of {type(module).__name__} after to_empty: {exc}"
+                ) from exc
             for name, value in fresh.named_buffers(recurse=False):
                 module._buffers[name] = value.to(device)
     model.eval()
@@ -165,7 +181,9 @@ def full_kv_bytes(config, n: int, dtype: torch.dtype) -> int:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)) or "out of memory" in str(exc)
+    return isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)) or "out of memory" in str(
+        exc
+    )
 
 
 # ------------------------------------------------------------------ the run
@@ -202,17 +220,28 @@ def run(args) -> dict:
     # warm-up: kernels, cuBLAS handles, the projection caches of the compressors
     warm = torch.randint(0, model.config.vocab_size, (1, min(512, min(lengths))), device=device, generator=gen)
     for m in METHODS:
+
         def short_run(m=m):
             _, cache = prefill(model, compressors[m], warm)
             decode_ms_per_token(model, cache, warm.shape[1], 1, 1, device)
+
         warm_up(f"{m} at {warm.shape[1]} tokens", short_run)
 
     for n in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=gen)
         if not over_budget():  # first prefill at a new length pays one-off costs (allocator growth, kernel choice)
             warm_up(f"snapkv at {n} tokens", lambda ids=ids: prefill(model, compressors["snapkv"], ids))
-        cell = {m: {"tokens": n, "method": m, "cache": "full" if m == "none" else f"{args.cache_size:.0%}",
-                    "prefill_s": [], "compress_s": [], "status": "ok"} for m in METHODS}
+        cell = {
+            m: {
+                "tokens": n,
+                "method": m,
+                "cache": "full" if m == "none" else f"{args.cache_size:.0%}",
+                "prefill_s": [],
+                "compress_s": [],
+                "status": "ok",
+            }
+            for m in METHODS
+        }
         for r in range(args.repeats):
             for m in METHODS:
                 c = cell[m]
@@ -233,7 +262,9 @@ def run(args) -> dict:
                     c["full_bytes"] = full_kv_bytes(model.config, n, dtype)
                     if r == args.repeats - 1 and not over_budget():
                         reset_peak(device)
-                        c["decode_ms"] = decode_ms_per_token(model, cache, n, args.decode_steps, args.decode_warmup, device)
+                        c["decode_ms"] = decode_ms_per_token(
+                            model, cache, n, args.decode_steps, args.decode_warmup, device
+                        )
                         c["peak_decode"] = peak_bytes(device)
                         c["kernel"] = ",".join(sorted(cache.kernels_used))
                 except Exception as exc:
@@ -252,12 +283,23 @@ def run(args) -> dict:
         free(device)
 
     info = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": args.dtype, "smoke": args.smoke,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "dtype": args.dtype,
+        "smoke": args.smoke,
         "model": "random Llama-3.1-8B shape" if not args.smoke else "random tiny Llama (smoke)",
-        "shape": shape, "weights_bytes": weights, "init_s": init_s, "repeats": args.repeats,
-        "decode_steps": args.decode_steps, "cache_size": args.cache_size, "elapsed_s": time.monotonic() - t_start,
-        "flash_attn": _flash_attn_version(), "warnings": warnings,
+        "shape": shape,
+        "weights_bytes": weights,
+        "init_s": init_s,
+        "repeats": args.repeats,
+        "decode_steps": args.decode_steps,
+        "cache_size": args.cache_size,
+        "elapsed_s": time.monotonic() - t_start,
+        "flash_attn": _flash_attn_version(),
+        "warnings": warnings,
     }
     try:
         import transformers
@@ -290,12 +332,14 @@ def markdown(result: dict) -> str:
     info, rows = result["info"], result["rows"]
     by = {(r["tokens"], r["method"]): r for r in rows}
     lines = [
-        f"GPU check: {info['model']} ({info['weights_bytes'] / 2**30:.1f} GiB {info['dtype']} weights, init {info['init_s']:.1f} s) "
+        f"GPU check: {info['model']} ({info['weights_bytes'] / 2**30:.1f} GiB {info['dtype']} weights, "
+        f"init {info['init_s']:.1f} s) "
         f"on {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), transformers {info.get('transformers')}, "
         f"flash-attn {info['flash_attn'] or 'not installed'}; medians of {info['repeats']} interleaved prefills, "
         f"decode median of {info['decode_steps']} steps; total {info['elapsed_s']:.0f} s.",
         "",
-        "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | decode kernel | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | status |",
+        "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | "
+        "decode kernel | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | status |",
         "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -309,9 +353,20 @@ def markdown(result: dict) -> str:
         kept_ratio = f"{kept / r['full_bytes']:.4f}" if kept and r.get("full_bytes") else "—"
         compress = r.get("compress_median_s")
         cells = [
-            str(r["tokens"]), r["method"], r["cache"], _num(p, ".3f"), ratio, _num(compress, ".3f"),
-            _num(d, ".1f"), dratio, r.get("kernel") or "—", _num(kept / 2**20 if kept else None, ".1f"), kept_ratio,
-            _gib(r.get("peak_prefill")), _gib(r.get("peak_decode")), r["status"],
+            str(r["tokens"]),
+            r["method"],
+            r["cache"],
+            _num(p, ".3f"),
+            ratio,
+            _num(compress, ".3f"),
+            _num(d, ".1f"),
+            dratio,
+            r.get("kernel") or "—",
+            _num(kept / 2**20 if kept else None, ".1f"),
+            kept_ratio,
+            _gib(r.get("peak_prefill")),
+            _gib(r.get("peak_decode")),
+            r["status"],
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"\nwarning: {w}" for w in info.get("warnings") or []]
@@ -323,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model and lengths (CPU-friendly)")
     p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--lengths", default=None, help="comma-separated context lengths (default 8192,32768; smoke 256,512)")
+    p.add_argument(
+        "--lengths", default=None, help="comma-separated context lengths (default 8192,32768; smoke 256,512)"
+    )
     p.add_argument("--cache-size", type=float, default=0.2, help="kept fraction for snapkv / criticalkv-snapkv")
     p.add_argument("--repeats", type=int, default=None, help="prefill repeats per method (default 3; smoke 1)")
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 32; smoke 4)")

@@ -114,7 +114,9 @@ def ensure_kvpress_venv(venv: Path | None = None, log=None) -> dict:
             constraint = Path(tmp) / "constraints.txt"
             for i, cmd in enumerate(venv_commands(venv, _base_python(), constraint)):
                 if i == 2:  # hold whatever torch build step 2 installed (e.g. 2.13.0+cpu)
-                    frozen = subprocess.run([str(venv_python(venv)), "-m", "pip", "freeze"], capture_output=True, text=True, check=True)
+                    frozen = subprocess.run(
+                        [str(venv_python(venv)), "-m", "pip", "freeze"], capture_output=True, text=True, check=True
+                    )
                     pins = [line for line in frozen.stdout.splitlines() if line.lower().startswith("torch==")]
                     constraint.write_text("\n".join(pins or [f"torch=={TORCH_VERSION}"]) + "\n")
                 log("  $ " + " ".join(cmd))
@@ -139,7 +141,11 @@ class KvpressSide:
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen(
             [python, str(SIDE_SCRIPT), "--model", model_dir, "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
         )
         ready = self._read()
         if not ready.get("ready"):
@@ -186,9 +192,15 @@ class KvpressSide:
 def press_spec(method: str, cache_size: float) -> dict | None:
     if method == "none":
         return None
-    return {"name": method, "cache_size": cache_size, "window": MATCHED["window"], "kernel": MATCHED["kernel"],
-            "epsilon": MATCHED["epsilon"], "first_stage_ratio": MATCHED["first_stage_ratio"],
-            "alpha_safeguard": MATCHED["alpha_safeguard"]}
+    return {
+        "name": method,
+        "cache_size": cache_size,
+        "window": MATCHED["window"],
+        "kernel": MATCHED["kernel"],
+        "epsilon": MATCHED["epsilon"],
+        "first_stage_ratio": MATCHED["first_stage_ratio"],
+        "alpha_safeguard": MATCHED["alpha_safeguard"],
+    }
 
 
 class Report:

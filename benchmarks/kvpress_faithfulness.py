@@ -66,8 +66,9 @@ def _snapkv_scores_of(layer) -> torch.Tensor:
     from pipeline.kv.scorers.snapkv import snapkv_scores
 
     window = torch.tensor([MATCHED["window"]])
-    return snapkv_scores(layer.observed[0], layer.key, layer.key_pos, window, MATCHED["kernel"], MATCHED["pooling"],
-                         layer.scaling)[0]
+    return snapkv_scores(
+        layer.observed[0], layer.key, layer.key_pos, window, MATCHED["kernel"], MATCHED["pooling"], layer.scaling
+    )[0]
 
 
 @torch.inference_mode()
@@ -180,20 +181,24 @@ def base_score_difference(ours_scores, their_scores, window: int) -> float:
     return worst
 
 
-def section_faithfulness(out: Report, loaded, side: KvpressSide, lengths, cache_size, dtypes, per_layer: bool,
-                         bf16_max_tokens: int) -> None:
+def section_faithfulness(
+    out: Report, loaded, side: KvpressSide, lengths, cache_size, dtypes, per_layer: bool, bf16_max_tokens: int
+) -> None:
     from common import context_ids
 
     tok = loaded.tokenizer
     models = {d: (loaded.model if d == "float32" else load_model_dtype(d)) for d in dtypes}
     out("\n## 1. Faithfulness: kept positions per (layer, KV head), ours vs kvpress\n")
-    out(f"Same prompt ids (built-in sample text, no chat template), matched settings: window {MATCHED['window']}, "
-        f"avg-pool kernel {MATCHED['kernel']}, first-stage ratio {MATCHED['first_stage_ratio']}, epsilon {MATCHED['epsilon']}, "
-        f"AdaKV safeguard {MATCHED['alpha_safeguard']}; budget = kvpress's `int(n * {cache_size})` entries per head, given to "
-        f"ours as an absolute budget. Both sides load the same weights in the row's dtype (bf16 rows: as on a GPU); ours "
-        f"always computes scores and norms in fp32, kvpress in the model dtype. kvpress's kept positions: "
+    out(
+        f"Same prompt ids (built-in sample text, no chat template), matched settings: window {MATCHED['window']}, "
+        f"avg-pool kernel {MATCHED['kernel']}, first-stage ratio {MATCHED['first_stage_ratio']}, "
+        f"epsilon {MATCHED['epsilon']}, AdaKV safeguard {MATCHED['alpha_safeguard']}; "
+        f"budget = kvpress's `int(n * {cache_size})` entries per head, given to ours as an absolute budget. "
+        f"Both sides load the same weights in the row's dtype (bf16 rows: as on a GPU); "
+        f"ours always computes scores and norms in fp32, kvpress in the model dtype. kvpress's kept positions: "
         f"`scores.topk(n_kept)` on the captured press scores (exactly what `ScorerPress.compress` prunes with) for "
-        f"uniform presses; the complement of `masked_key_indices` for AdaKV presses (which mask, not prune).\n")
+        f"uniform presses; the complement of `masked_key_indices` for AdaKV presses (which mask, not prune).\n"
+    )
     rows, detail, unverified = [], [], []
     fp32_all_identical = True
     for n in lengths:
@@ -218,49 +223,104 @@ def section_faithfulness(out: Report, loaded, side: KvpressSide, lengths, cache_
                 ag = agreement(ours_by_dtype[dtype][method]["kept"], theirs["kept"])
                 if dtype == "float32" and ag["identical"] != ag["heads"]:
                     fp32_all_identical = False
-                gap, stage1 = score_gap_at_differences(ours_by_dtype[dtype][method]["kept"], theirs["kept"], theirs["final_scores"])
-                base_diff = base_score_difference(ours_by_dtype[dtype][method]["base_scores"], theirs["base_scores"], MATCHED["window"])
-                rows.append([
-                    method, KVPRESS_NAMES[method], dtype, n, budget,
-                    f"{ag['identical']}/{ag['heads']} ({ag['identical'] / ag['heads']:.1%})",
-                    f"{ag['mean_jaccard']:.5f}", f"{ag['min_jaccard']:.4f}", ag["differing_entries"],
-                    "-" if gap is None or not ag["differing_entries"] else f"{gap:.1e}" + (f" ({stage1} in stage 1)" if stage1 else ""),
-                    f"{base_diff:.1e}",
-                ])
+                gap, stage1 = score_gap_at_differences(
+                    ours_by_dtype[dtype][method]["kept"], theirs["kept"], theirs["final_scores"]
+                )
+                base_diff = base_score_difference(
+                    ours_by_dtype[dtype][method]["base_scores"], theirs["base_scores"], MATCHED["window"]
+                )
+                rows.append(
+                    [
+                        method,
+                        KVPRESS_NAMES[method],
+                        dtype,
+                        n,
+                        budget,
+                        f"{ag['identical']}/{ag['heads']} ({ag['identical'] / ag['heads']:.1%})",
+                        f"{ag['mean_jaccard']:.5f}",
+                        f"{ag['min_jaccard']:.4f}",
+                        ag["differing_entries"],
+                        "-"
+                        if gap is None or not ag["differing_entries"]
+                        else f"{gap:.1e}" + (f" ({stage1} in stage 1)" if stage1 else ""),
+                        f"{base_diff:.1e}",
+                    ]
+                )
                 if method == "criticalkv-adakv-snapkv" and ag["identical"] != ag["heads"]:
-                    differing = [(layer, head) for layer, (lo, lt) in enumerate(zip(ours_by_dtype[dtype][method]["kept"], theirs["kept"]))
-                                 for head, (a, b) in enumerate(zip(lo, lt)) if set(a) != set(b)]
-                    checks = [(kvpress_adakv_rule(capture, layer, head, budget), theirs["kept"][layer][head]) for layer, head in differing]
+                    differing = [
+                        (layer, head)
+                        for layer, (lo, lt) in enumerate(zip(ours_by_dtype[dtype][method]["kept"], theirs["kept"]))
+                        for head, (a, b) in enumerate(zip(lo, lt))
+                        if set(a) != set(b)
+                    ]
+                    checks = [
+                        (kvpress_adakv_rule(capture, layer, head, budget), theirs["kept"][layer][head])
+                        for layer, head in differing
+                    ]
                     explained = sum(rule == set(kv) for (rule, _, _), kv in checks)
                     small = sum(hb < 2 * n_safe for (_, hb, n_safe), _ in checks)
                     n_safe = checks[0][0][2]
                     detail.append(
-                        f"- {method} vs {KVPRESS_NAMES[method]} ({dtype}, {n} tokens): the {len(differing)} differing heads have "
-                        f"head budgets {', '.join(str(hb) for (_, hb, _), _ in checks)}; {small} of them are below 2 x the "
-                        f"safeguard ({2 * n_safe}). Recomputing kvpress's effective rule (its safeguard's top {n_safe} "
-                        f"entries are set to the dtype max before CriticalKV, so they fill stage 1 and survive stage 2: stage 1 "
-                        f"= max(int(0.5 b_h), {n_safe}) entries by base score, where ours uses max(floor(0.5 b_h), window)) "
-                        f"reproduces kvpress's selection in {explained} of {len(differing)} of them. This is a kvpress side "
-                        f"effect, not the paper's rule (a head at the safeguard floor, b_h <= {n_safe}, keeps no entry by "
-                        f"criticality in kvpress).")
+                        f"- {method} vs {KVPRESS_NAMES[method]} ({dtype}, {n} tokens): "
+                        f"the {len(differing)} differing heads have "
+                        f"head budgets {', '.join(str(hb) for (_, hb, _), _ in checks)}; "
+                        f"{small} of them are below 2 x the safeguard ({2 * n_safe}). "
+                        f"Recomputing kvpress's effective rule (its safeguard's top {n_safe} "
+                        f"entries are set to the dtype max before CriticalKV, "
+                        f"so they fill stage 1 and survive stage 2: "
+                        f"stage 1 = max(int(0.5 b_h), {n_safe}) entries by base score, "
+                        f"where ours uses max(floor(0.5 b_h), window)) "
+                        f"reproduces kvpress's selection in {explained} of {len(differing)} of them. "
+                        f"This is a kvpress side effect, not the paper's rule "
+                        f"(a head at the safeguard floor, b_h <= {n_safe}, keeps no entry by criticality in kvpress)."
+                    )
                 if ag["worst"]:
-                    detail.append(f"- {method} vs {KVPRESS_NAMES[method]} ({dtype}, {n} tokens): lowest-Jaccard (layer, head): "
-                                  + ", ".join(f"({layer}, {head}) {j:.3f}" for j, layer, head in ag["worst"]))
+                    detail.append(
+                        f"- {method} vs {KVPRESS_NAMES[method]} ({dtype}, {n} tokens): lowest-Jaccard (layer, head): "
+                        + ", ".join(f"({layer}, {head}) {j:.3f}" for j, layer, head in ag["worst"])
+                    )
                 if per_layer:
-                    detail.append("  - per layer mean Jaccard: " + ", ".join(f"L{i} {sum(r) / len(r):.3f}" for i, r in enumerate(ag["per_layer"])))
-    out(table(["ours", "kvpress", "model dtype (both)", "tokens", "kept / head", "(layer, head) identical", "mean Jaccard",
-               "min Jaccard", "entries kept by one side only", "max rel. score gap at those entries", "base score max rel. diff"],
-              rows, "lllrrrrrrrr"))
+                    detail.append(
+                        "  - per layer mean Jaccard: "
+                        + ", ".join(f"L{i} {sum(r) / len(r):.3f}" for i, r in enumerate(ag["per_layer"]))
+                    )
+    out(
+        table(
+            [
+                "ours",
+                "kvpress",
+                "model dtype (both)",
+                "tokens",
+                "kept / head",
+                "(layer, head) identical",
+                "mean Jaccard",
+                "min Jaccard",
+                "entries kept by one side only",
+                "max rel. score gap at those entries",
+                "base score max rel. diff",
+            ],
+            rows,
+            "lllrrrrrrrr",
+        )
+    )
     if detail:
         out("\n" + "\n".join(detail))
-    out("\nkvpress's uniform-press indices were checked against the pruned cache: the K tensors the press returned equal "
-        "the input keys gathered at those indices in every layer" + (f", EXCEPT for: {', '.join(unverified)}." if unverified else "."))
-    out("\nReading the table: *entries kept by one side only* counts both sides' extras over all (layer, head) pairs. "
-        "*max rel. score gap* is how far from kvpress's own selection threshold (its k-th best final score in that head) "
-        "those entries' kvpress scores lie: ~1e-6 means both sides disagree only on entries whose scores tie within fp32 "
+    out(
+        "\nkvpress's uniform-press indices were checked against the pruned cache: "
+        "the K tensors the press returned equal the input keys gathered at those indices in every layer"
+        + (f", EXCEPT for: {', '.join(unverified)}." if unverified else ".")
+    )
+    out(
+        "\nReading the table: *entries kept by one side only* counts both sides' extras "
+        "over all (layer, head) pairs. "
+        "*max rel. score gap* is how far from kvpress's own selection threshold "
+        "(its k-th best final score in that head) "
+        "those entries' kvpress scores lie: ~1e-6 means both sides disagree only on entries "
+        "whose scores tie within fp32 "
         "rounding (the order of operations differs: kvpress recomputes the window queries from the hidden states and "
         "divides by sqrt(d) after the matmul; ours reuses the attention's queries); entries marked *in stage 1* are "
-        "CriticalKV stage-1 picks of one side only (a base-score ranking difference). *base score max rel. diff* compares "
+        "CriticalKV stage-1 picks of one side only (a base-score ranking difference). "
+        "*base score max rel. diff* compares "
         "the raw SnapKV scores of both sides (non-window positions). bf16 rows: kvpress casts the fp32 softmax back to "
         "bf16 and averages, pools and computes the projected norms (`V @ W_O` and the L1 sum) in bf16, i.e. with 8 "
         "mantissa bits, so scores closer than ~0.4 % are in arbitrary order; ours scores and norms in fp32 from the "
@@ -272,4 +332,5 @@ def section_faithfulness(out: Report, loaded, side: KvpressSide, lengths, cache_
         "paper describes; the two differ only in heads whose AdaKV budget b_h is below 0.4 b (checked head by head "
         "above where it happens); (b) kvpress gives the window the score max+1 instead of +inf (same effect while "
         "scores are probabilities); (c) kvpress's `CriticalAdaKVPress` stage 1 may keep fewer entries than the window "
-        "(`int(0.5 b_h)` < window), ours never does; the window's max+1 scores still win kvpress's stage 2.")
+        "(`int(0.5 b_h)` < window), ours never does; the window's max+1 scores still win kvpress's stage 2."
+    )

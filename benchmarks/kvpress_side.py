@@ -1,4 +1,5 @@
-"""The kvpress half of ``benchmarks/vs_kvpress.py`` (started by ``kvpress_common.KvpressSide``); runs INSIDE the kvpress virtual environment.
+"""The kvpress half of ``benchmarks/vs_kvpress.py`` (started by ``kvpress_common.KvpressSide``);
+runs INSIDE the kvpress virtual environment.
 
 kvpress 0.5.5 needs transformers 5.2 (it reads ``cache_position``, removed in transformers 5.3+),
 so it cannot share the project's venv. ``vs_kvpress.py`` starts this script with the kvpress venv's
@@ -65,13 +66,22 @@ HEADWISE = ("adakv-snapkv", "criticalkv-adakv-snapkv")
 
 
 def make_press(spec: dict | None):
-    """Press from a spec: {"name", "cache_size", "window", "kernel", "epsilon", "first_stage_ratio", "alpha_safeguard"}."""
+    """Press from a spec.
+
+    The spec: {"name", "cache_size", "window", "kernel", "epsilon", "first_stage_ratio", "alpha_safeguard"}.
+    """
     if spec is None or spec.get("name") in (None, "none"):
         return None
     ratio = 1.0 - float(spec["cache_size"])
-    base = SnapKVPress(compression_ratio=ratio, window_size=int(spec.get("window", 64)), kernel_size=int(spec.get("kernel", 5)))
+    base = SnapKVPress(
+        compression_ratio=ratio, window_size=int(spec.get("window", 64)), kernel_size=int(spec.get("kernel", 5))
+    )
     name = spec["name"]
-    eps, fsr, alpha = float(spec.get("epsilon", 1e-4)), float(spec.get("first_stage_ratio", 0.5)), float(spec.get("alpha_safeguard", 0.2))
+    eps, fsr, alpha = (
+        float(spec.get("epsilon", 1e-4)),
+        float(spec.get("first_stage_ratio", 0.5)),
+        float(spec.get("alpha_safeguard", 0.2)),
+    )
     if name == "snapkv":
         return base
     if name == "criticalkv-snapkv":
@@ -201,8 +211,14 @@ class Side:
                 verified = verified and torch.equal(gathered, keys_out)  # the cache holds exactly these entries
                 kept.append([sorted(row.tolist()) for row in idx_full[0]])
         path = self.out_dir / f"kept-{time.time_ns()}.pt"
-        torch.save({"kept": kept, "base_scores": [base_scores[i][0] for i in range(len(layers))],
-                    "final_scores": [final_scores[i][0] for i in range(len(layers))] if final_scores else None}, path)
+        torch.save(
+            {
+                "kept": kept,
+                "base_scores": [base_scores[i][0] for i in range(len(layers))],
+                "final_scores": [final_scores[i][0] for i in range(len(layers))] if final_scores else None,
+            },
+            path,
+        )
         return {"path": str(path), "n_kept": n_kept, "k_len": k_len, "verified_against_cache": verified}
 
     @torch.inference_mode()
@@ -257,7 +273,9 @@ class Side:
             kept_entries = self._kept_entries(model, cache, ctx.shape[1])
             handle = model.register_forward_hook(after_forward, with_kwargs=True)
             try:
-                answer = pipe.generate_answer(question_ids=question, cache=cache, context_length=ctx.shape[1], max_new_tokens=max_new)
+                answer = pipe.generate_answer(
+                    question_ids=question, cache=cache, context_length=ctx.shape[1], max_new_tokens=max_new
+                )
             finally:
                 handle.remove()
             t2 = time.perf_counter()
@@ -300,7 +318,9 @@ class Side:
             result.update(ran=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             return result
         # compare row 0's selection with row 0 alone
-        kept_batch = _masked_to_kept(batched, 0, ids.shape[1], cache.layers[0].keys.shape[1]) if batched[0] is not None else None
+        kept_batch = (
+            _masked_to_kept(batched, 0, ids.shape[1], cache.layers[0].keys.shape[1]) if batched[0] is not None else None
+        )
         alone = self.op_kept({"ids": rows[0], "press": spec, "dtype": req.get("dtype", "float32")})
         kept_alone = torch.load(alone["path"])["kept"]
         result["row0_same_as_alone"] = kept_batch == kept_alone if kept_batch is not None else None
@@ -320,7 +340,9 @@ class Side:
         if not hasattr(self, "_pipes"):
             self._pipes = {}
         if key not in self._pipes:
-            self._pipes[key] = KVPressTextGenerationPipeline(model=model, tokenizer=self.tokenizer, device=torch.device("cpu"))
+            self._pipes[key] = KVPressTextGenerationPipeline(
+                model=model, tokenizer=self.tokenizer, device=torch.device("cpu")
+            )
         return self._pipes[key]
 
     @staticmethod

@@ -27,11 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.kv.config import CompressionConfig  # noqa: E402
-
-from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
 from pipeline.data import read_documents, sample_qa_documents, write_documents  # noqa: E402
 from pipeline.distributed.config import JobConfig  # noqa: E402
+from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
+from pipeline.kv.config import CompressionConfig  # noqa: E402
 
 
 def plain_loop(config: JobConfig, docs_path: Path) -> tuple[float, int]:
@@ -45,9 +44,14 @@ def plain_loop(config: JobConfig, docs_path: Path) -> tuple[float, int]:
     engine = resolve_factory(config.engine_factory)(config.model, config.compression, config.generation)
     rows = 0
     for doc in read_documents(docs_path).to_pylist():
-        request = Request(doc_id=doc["doc_id"], context=doc["context"], questions=doc["questions"],
-                          question_ids=doc["question_ids"], answer_prefix=doc["answer_prefix"] or "",
-                          max_new_tokens=doc["max_new_tokens"])
+        request = Request(
+            doc_id=doc["doc_id"],
+            context=doc["context"],
+            questions=doc["questions"],
+            question_ids=doc["question_ids"],
+            answer_prefix=doc["answer_prefix"] or "",
+            max_new_tokens=doc["max_new_tokens"],
+        )
         rows += len(engine.generate([request]))
     return time.perf_counter() - t0, rows
 
@@ -83,15 +87,24 @@ def main(argv: list[str] | None = None) -> int:
 
     def config(index: int) -> JobConfig:
         return JobConfig(
-            input=str(docs_path), output=work / f"ray-{index}", model=ModelConfig(name=args.model),
+            input=str(docs_path),
+            output=work / f"ray-{index}",
+            model=ModelConfig(name=args.model),
             compression=CompressionConfig(method=args.method, cache_size=args.cache_size),
-            generation=GenerationConfig(max_new_tokens=args.max_new_tokens), engine_factory=args.engine_factory,
-            min_actors=1, max_actors=1, cpus_per_actor=args.cpus_per_actor,
+            generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
+            engine_factory=args.engine_factory,
+            min_actors=1,
+            max_actors=1,
+            cpus_per_actor=args.cpus_per_actor,
         )
 
     t0 = time.perf_counter()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
+    )
     ray_start = time.perf_counter() - t0
     plain_times, ray_times = [], []
     try:
@@ -102,21 +115,27 @@ def main(argv: list[str] | None = None) -> int:
             seconds, rows_ray = ray_job(config(index))
             ray_times.append(seconds)
             assert rows_plain == rows_ray, (rows_plain, rows_ray)
-            print(f"repeat {index + 1}: plain {plain_times[-1]:.2f} s, ray {ray_times[-1]:.2f} s "
-                  f"({rows_ray} rows)", flush=True)
+            print(
+                f"repeat {index + 1}: plain {plain_times[-1]:.2f} s, ray {ray_times[-1]:.2f} s ({rows_ray} rows)",
+                flush=True,
+            )
     finally:
         ray.shutdown()
     plain, ray_s = statistics.median(plain_times), statistics.median(ray_times)
-    print(f"\n{args.docs} documents x ~{args.words} words, {args.model}, {args.method} {args.cache_size}, "
-          f"{args.max_new_tokens} new tokens, 1 actor")
+    print(
+        f"\n{args.docs} documents x ~{args.words} words, {args.model}, {args.method} {args.cache_size}, "
+        f"{args.max_new_tokens} new tokens, 1 actor"
+    )
     print(f"ray.init (once, not counted): {ray_start:.1f} s")
     print(f"plain loop median: {plain:.2f} s   ray job median: {ray_s:.2f} s")
     print(f"wall-time ratio ray / plain: {ray_s / plain:.3f}   (target <= 1.10)")
     fixed, per_doc = ray_s - plain, plain / args.docs
     if fixed > 0:  # the overhead is mostly per job (actor start, imports, final write), not per document
         needed = math.ceil(fixed / (0.10 * per_doc))
-        print(f"overhead {fixed:.1f} s per job, plain {per_doc:.2f} s per document: the ratio reaches 1.10 "
-              f"from about {needed} documents of this size on one actor")
+        print(
+            f"overhead {fixed:.1f} s per job, plain {per_doc:.2f} s per document: the ratio reaches 1.10 "
+            f"from about {needed} documents of this size on one actor"
+        )
     return 0
 
 

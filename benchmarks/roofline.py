@@ -27,7 +27,6 @@ Usage: python benchmarks/roofline.py [--repeats 7] [--bandwidth-mib 512] [--matm
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import os
 import platform
@@ -88,7 +87,9 @@ def machine_description() -> str:
 
 def git_revision() -> str:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
             return "unknown"
@@ -101,14 +102,16 @@ def header(title: str) -> str:
     """Markdown block naming what was measured, when, where and with which command."""
     command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return "\n".join([
-        f"# {title}",
-        "",
-        f"- date: {now}",
-        f"- machine: {machine_description()}",
-        f"- command: `{command}`",
-        f"- code: git {git_revision()}",
-    ])
+    return "\n".join(
+        [
+            f"# {title}",
+            "",
+            f"- date: {now}",
+            f"- machine: {machine_description()}",
+            f"- command: `{command}`",
+            f"- code: git {git_revision()}",
+        ]
+    )
 
 
 def table(columns: list[str], rows: list[list], align: str | None = None) -> str:
@@ -197,13 +200,18 @@ class Limits:
     bandwidth_mib: int
     matmul_n: int
 
-    def best(self, other: "Limits | None") -> "Limits":
+    def best(self, other: Limits | None) -> Limits:
         """Element-wise best of two measurements (e.g. at the start and at the end of a run, so
         that load from other processes at one moment does not lower the bound)."""
         if other is None:
             return self
-        return Limits(max(self.copy_gbs, other.copy_gbs), max(self.read_gbs, other.read_gbs),
-                      max(self.matmul_gflops, other.matmul_gflops), self.bandwidth_mib, self.matmul_n)
+        return Limits(
+            max(self.copy_gbs, other.copy_gbs),
+            max(self.read_gbs, other.read_gbs),
+            max(self.matmul_gflops, other.matmul_gflops),
+            self.bandwidth_mib,
+            self.matmul_n,
+        )
 
     @property
     def bandwidth_gbs(self) -> float:
@@ -212,9 +220,21 @@ class Limits:
 
     def rows(self) -> list[list]:
         return [
-            ["memory bandwidth, copy (read + write)", f"{self.copy_gbs:.1f} GB/s", f"dst.copy_(src), {self.bandwidth_mib} MiB fp32, best run"],
-            ["memory bandwidth, read", f"{self.read_gbs:.1f} GB/s", f"src.sum(), {self.bandwidth_mib} MiB fp32, best run"],
-            ["fp32 matmul", f"{self.matmul_gflops:.1f} GFLOP/s", f"torch.matmul {self.matmul_n}x{self.matmul_n}, best run"],
+            [
+                "memory bandwidth, copy (read + write)",
+                f"{self.copy_gbs:.1f} GB/s",
+                f"dst.copy_(src), {self.bandwidth_mib} MiB fp32, best run",
+            ],
+            [
+                "memory bandwidth, read",
+                f"{self.read_gbs:.1f} GB/s",
+                f"src.sum(), {self.bandwidth_mib} MiB fp32, best run",
+            ],
+            [
+                "fp32 matmul",
+                f"{self.matmul_gflops:.1f} GFLOP/s",
+                f"torch.matmul {self.matmul_n}x{self.matmul_n}, best run",
+            ],
         ]
 
 
@@ -292,14 +312,22 @@ def model_shape(model) -> ModelShape:
     tied = out is not None and out.weight.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelShape(
-        layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, q_heads=cfg.num_attention_heads,
-        kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=head_dim,
-        vocab=cfg.vocab_size, weight_bytes=nbytes, weight_params=nparams, embed_params=emb.numel(), tied=tied,
+        layers=cfg.num_hidden_layers,
+        hidden=cfg.hidden_size,
+        q_heads=cfg.num_attention_heads,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        vocab=cfg.vocab_size,
+        weight_bytes=nbytes,
+        weight_params=nparams,
+        embed_params=emb.numel(),
+        tied=tied,
     )
 
 
-def decode_bound_s(shape: ModelShape, kv_entries_read: float, limits: Limits, kv_bytes_per_entry: float | None = None,
-                   batch: int = 1) -> tuple[float, float, float]:
+def decode_bound_s(
+    shape: ModelShape, kv_entries_read: float, limits: Limits, kv_bytes_per_entry: float | None = None, batch: int = 1
+) -> tuple[float, float, float]:
     """(bound seconds per decode step, bytes read, FLOPs) for a batch of rows.
 
     ``kv_entries_read``: KV entries (one K + one V vector of one KV head) read per step, summed

@@ -37,16 +37,40 @@ FULL = {
     "roofline": {},
     "compression": {"--lengths": "2048,4096", "--repeats": "3"},
     "pipeline_overhead": {"--docs": "32", "--repeats": "2"},
-    "vs_kvpress": {"--lengths": "2048,4096", "--faith-lengths": "2048,4096", "--repeats": "3", "--new-tokens": "32", "--out": ""},
-    "full_cache_scaling": {"--lengths": "1024,2048,4096,8192", "--repeats": "3", "--prefill-repeats": "2", "--decode-steps": "16", "--out": ""},
+    "vs_kvpress": {
+        "--lengths": "2048,4096",
+        "--faith-lengths": "2048,4096",
+        "--repeats": "3",
+        "--new-tokens": "32",
+        "--out": "",
+    },
+    "full_cache_scaling": {
+        "--lengths": "1024,2048,4096,8192",
+        "--repeats": "3",
+        "--prefill-repeats": "2",
+        "--decode-steps": "16",
+        "--out": "",
+    },
 }
 QUICK = {
     "roofline": {"--repeats": "3", "--bandwidth-mib": "256", "--matmul-n": "1024"},
     "compression": {"--lengths": "1024", "--repeats": "1", "--decode-steps": "4"},
     "pipeline_overhead": {"--docs": "2", "--words": "300", "--repeats": "1", "--max-new-tokens": "4"},
-    "vs_kvpress": {"--lengths": "512", "--faith-lengths": "512", "--repeats": "1", "--new-tokens": "8",
-                   "--batch-length": "512", "--out": ""},
-    "full_cache_scaling": {"--lengths": "512,1024", "--repeats": "1", "--prefill-repeats": "1", "--decode-steps": "4", "--out": ""},
+    "vs_kvpress": {
+        "--lengths": "512",
+        "--faith-lengths": "512",
+        "--repeats": "1",
+        "--new-tokens": "8",
+        "--batch-length": "512",
+        "--out": "",
+    },
+    "full_cache_scaling": {
+        "--lengths": "512,1024",
+        "--repeats": "1",
+        "--prefill-repeats": "1",
+        "--decode-steps": "4",
+        "--out": "",
+    },
 }
 
 
@@ -103,11 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n\n<!-- {' '.join(cmd)} -->\n", flush=True)
         code, seconds = run(cmd, results / f"{name}.md")
         status.append((name, "ok" if code == 0 else f"FAILED (exit {code})", seconds))
-    summary = [header("All benchmarks" + (" (quick sizes: not for numbers)" if args.quick else "")), "",
-               f"started {started}", "", "| script | status | wall s |", "|---|---|---:|"]
+    summary = [
+        header("All benchmarks" + (" (quick sizes: not for numbers)" if args.quick else "")),
+        "",
+        f"started {started}",
+        "",
+        "| script | status | wall s |",
+        "|---|---|---:|",
+    ]
     summary += [f"| {n} | {s} | {t:.0f} |" for n, s, t in status]
     parts = ["\n".join(summary)]
-    for name, state, _ in status:
+    for name, _state, _ in status:
         md = results / f"{name}.md"
         if md.is_file():
             parts.append(md.read_text())

@@ -27,7 +27,9 @@ class GenerateRun(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     context_file: str = Field(description="text file with the long document ('-' = stdin)")
-    question: list[str] = Field(description="question (repeat the flag for several)", json_schema_extra={"repeat": True})
+    question: list[str] = Field(
+        description="question (repeat the flag for several)", json_schema_extra={"repeat": True}
+    )
     answer_prefix: str = Field("", description="text the answer starts with")
     model: ModelConfig = Field(default_factory=ModelConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
@@ -38,8 +40,9 @@ def build_parser() -> OptionParser:
     def output_format(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON lines instead of text")
 
-    return OptionParser(GenerateRun, prog="python -m pipeline.generate", description=__doc__.splitlines()[0],
-                        extra_args=output_format)
+    return OptionParser(
+        GenerateRun, prog="python -m pipeline.generate", description=__doc__.splitlines()[0], extra_args=output_format
+    )
 
 
 def _read_context(name: str) -> str:
@@ -74,14 +77,20 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"invalid --model: {exc}")
     except ValueError as exc:
         fail(f"invalid {exc}")
-    request = Request(doc_id=Path(run.context_file).name, context=context, questions=run.question,
-                      answer_prefix=run.answer_prefix)
+    request = Request(
+        doc_id=Path(run.context_file).name, context=context, questions=run.question, answer_prefix=run.answer_prefix
+    )
     status = 0
     for answer in engine.generate([request]):
         status = status or (1 if answer.error else 0)
         if args.json:
-            row = {"model": run.model.name, "method": run.compression.method, "cache_size": run.compression.cache_size,
-                   "budget": run.compression.budget, **answer.as_row()}
+            row = {
+                "model": run.model.name,
+                "method": run.compression.method,
+                "cache_size": run.compression.cache_size,
+                "budget": run.compression.budget,
+                **answer.as_row(),
+            }
             print(json.dumps(row))
         else:
             print(_describe(answer, run.answer_prefix))

@@ -111,8 +111,9 @@ def _field_default(field, parent_default: BaseModel | None, name: str) -> Any:
     return field.get_default(call_default_factory=True)
 
 
-def collect_options(model: type[BaseModel], exclude: Sequence[str] = (), prefix: str = "",
-                    default: BaseModel | None = None) -> list[tuple[str, list[Option]]]:
+def collect_options(
+    model: type[BaseModel], exclude: Sequence[str] = (), prefix: str = "", default: BaseModel | None = None
+) -> list[tuple[str, list[Option]]]:
     """(group title, options) for ``model``'s fields, recursing into nested config models.
 
     A model may lay its fields out in several groups with a classmethod ``option_groups()`` ->
@@ -144,8 +145,17 @@ def collect_options(model: type[BaseModel], exclude: Sequence[str] = (), prefix:
                 nested += collect_options(field.annotation, exclude, f"{path}.", sub_default)
             elif _argparse_kwargs(field.annotation) is not None:
                 flag = "--" + str(extra.get("flag", name)).replace("_", "-")
-                own.append(Option(flag, path, field.annotation, field.description or "", value,
-                                  bool(extra.get("repeat")), extra.get("shown_default")))
+                own.append(
+                    Option(
+                        flag,
+                        path,
+                        field.annotation,
+                        field.description or "",
+                        value,
+                        bool(extra.get("repeat")),
+                        extra.get("shown_default"),
+                    )
+                )
         if own:
             groups.append((group_title, own))
         groups += nested
@@ -155,12 +165,23 @@ def collect_options(model: type[BaseModel], exclude: Sequence[str] = (), prefix:
 class OptionParser:
     """An ``argparse`` parser generated from ``model`` (see the module docstring)."""
 
-    def __init__(self, model: type[BaseModel], prog: str, description: str = "", epilog: str | None = None,
-                 exclude: Sequence[str] = (), extra_args=None) -> None:
+    def __init__(
+        self,
+        model: type[BaseModel],
+        prog: str,
+        description: str = "",
+        epilog: str | None = None,
+        exclude: Sequence[str] = (),
+        extra_args=None,
+    ) -> None:
         self.model = model
         self.parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
-        self.parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
-                                 help="YAML file with these settings (nested keys as in the config); flags override it")
+        self.parser.add_argument(
+            "--config",
+            metavar="FILE.yaml",
+            default=argparse.SUPPRESS,
+            help="YAML file with these settings (nested keys as in the config); flags override it",
+        )
         if extra_args is not None:  # options that are not config fields (e.g. --json output format)
             extra_args(self.parser)
         self.options: dict[str, Option] = {}
@@ -226,8 +247,10 @@ def merge_layer(model: type[BaseModel] | None, base: dict, top: dict, source: st
                 fail(f"invalid --{name.replace('_', '-')}{' ' + source if source else ''}: {exc}")
             for key, value in fields.items():
                 if key in top and top[key] != value:
-                    fail(f"invalid --{name.replace('_', '-')}{' ' + source if source else ''}: it sets {key}={value!r}, "
-                         f"but {key}={top[key]!r} was also given")
+                    fail(
+                        f"invalid --{name.replace('_', '-')}{' ' + source if source else ''}: it sets {key}={value!r}, "
+                        f"but {key}={top[key]!r} was also given"
+                    )
                 top[key] = value
     merged = dict(base)
     for key, value in top.items():

@@ -50,7 +50,9 @@ class Faults:
             self._crash(doc_ids)
             hit = set(self.d.get("oom", ())) & doc_ids
             if hit and context.get("cache_size", 1.0) > self.d.get("oom_above", -1.0):
-                raise torch.OutOfMemoryError(f"simulated out of memory while prefilling {sorted(hit)} (fault injection)")
+                raise torch.OutOfMemoryError(
+                    f"simulated out of memory while prefilling {sorted(hit)} (fault injection)"
+                )
         elif event == "predictor.batch":
             limit = self.d.get("raise_after_batches")
             if limit is not None and context["batch"] > limit:

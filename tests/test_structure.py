@@ -98,7 +98,7 @@ def test_import_graph_has_no_cycle(graph):
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -139,8 +139,11 @@ def _long_functions(path: Path) -> list[str]:
 
 
 def test_modules_and_functions_are_small():
-    too_long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in sorted(PACKAGE.rglob("*.py"))
-                if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    too_long = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
     long_functions = [f for p in sorted(PACKAGE.rglob("*.py")) for f in _long_functions(p)]
     assert not too_long and not long_functions, "\n".join(too_long + long_functions)
 

@@ -39,7 +39,10 @@ def tiny_tokenizer(chat: bool = True) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
         additional_special_tokens=["<|user|>", "<|assistant|>"],
     )
     if chat:
@@ -61,9 +64,17 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, head_dim: in
     cfg_cls, model_cls, heads, kv_heads = ARCHS[arch]
     torch.manual_seed(seed)
     kwargs = dict(
-        vocab_size=264, hidden_size=heads * head_dim, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-        bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False,
+        vocab_size=264,
+        hidden_size=heads * head_dim,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        tie_word_embeddings=False,
     )
     if arch == "qwen3":
         kwargs["head_dim"] = head_dim

@@ -29,7 +29,9 @@ DESCRIPTIONS = {
 
 def build_parser(job: str) -> OptionParser:
     return OptionParser(
-        JOB_CONFIGS[job], prog=f"python jobs/{job}.py", description=DESCRIPTIONS[job],
+        JOB_CONFIGS[job],
+        prog=f"python jobs/{job}.py",
+        description=DESCRIPTIONS[job],
         epilog="With no arguments: built-in sample documents, SmolLM2 on CPU, output under outputs/.",
     )
 
@@ -38,8 +40,11 @@ def config_from_args(job: str, argv: list[str] | None = None) -> JobConfig:
     """Parse ``argv`` into a validated job config; exits with code 2 naming the bad flag."""
     config, _ = build_parser(job).parse(argv)
     if not is_uri(config.output) and not Path(config.output).is_absolute() and "working_dir_files" in os.getcwd():
-        print(f"warning: --output {config.output} is relative and this runs inside Ray's temporary copy of the "
-              f"working dir ({os.getcwd()}); pass an absolute path on storage that outlives the job", file=sys.stderr)
+        print(
+            f"warning: --output {config.output} is relative and this runs inside Ray's temporary copy of the "
+            f"working dir ({os.getcwd()}); pass an absolute path on storage that outlives the job",
+            file=sys.stderr,
+        )
     return config
 
 
@@ -52,6 +57,14 @@ def main(job: str, argv: list[str] | None = None) -> int:
     except JobFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"output": str(result.output_dir), "rows": result.total_rows,
-                      "rows_written": result.rows_written, "run_id": result.run_id}))
+    print(
+        json.dumps(
+            {
+                "output": str(result.output_dir),
+                "rows": result.total_rows,
+                "rows_written": result.rows_written,
+                "run_id": result.run_id,
+            }
+        )
+    )
     return 0

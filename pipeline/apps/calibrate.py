@@ -31,22 +31,26 @@ class CalibrationJob(BaseModel):
     samples: int = Field(2, ge=1, description="needles per (length, depth)")
     kinds: list[str] = Field(["numbers", "words"], description="needle values: numbers, words (alternating)")
     match: Literal["position", "token"] = Field(
-        "position", description="a hit: the copied needle token's own position, or any needle position with that token")
+        "position", description="a hit: the copied needle token's own position, or any needle position with that token"
+    )
     haystack: Literal["essay", "noise"] = Field("essay", description="Paul Graham essays or RULER's noise sentences")
     seed: int = Field(0, description="seed of the needle cases")
     model: ModelConfig = Field(default_factory=ModelConfig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, _ = OptionParser(CalibrationJob, prog="jobs/calibrate_heads.py", description=__doc__.splitlines()[0]).parse(argv)
+    config, _ = OptionParser(CalibrationJob, prog="jobs/calibrate_heads.py", description=__doc__.splitlines()[0]).parse(
+        argv
+    )
     if not config.lengths:
         fail("invalid --lengths: give at least one length")
     depths = [round(100.0 * i / (config.depths - 1), 2) if config.depths > 1 else 50.0 for i in range(config.depths)]
     t0 = time.perf_counter()
     loaded = load_model(config.model)
     try:
-        cases = build_cases(loaded.tokenizer, config.lengths, depths, config.samples, config.seed, config.kinds,
-                            config.haystack)
+        cases = build_cases(
+            loaded.tokenizer, config.lengths, depths, config.samples, config.seed, config.kinds, config.haystack
+        )
     except ValueError as exc:
         fail(str(exc))
 
@@ -54,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f}s] {message}", file=sys.stderr, flush=True)
 
     result = calibrate(loaded.model, cases, config.match, progress=log)
-    settings = {"seed": config.seed, "samples": config.samples, "haystack": config.haystack,
-                "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", "")}
+    settings = {
+        "seed": config.seed,
+        "samples": config.samples,
+        "haystack": config.haystack,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).replace("torch.", ""),
+    }
     doc = priors_document(config.model.name, loaded.model.config, result, settings)
     path = write_priors(config.output, doc)
     scores = result.scores

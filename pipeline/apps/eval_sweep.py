@@ -36,8 +36,14 @@ from pipeline.options import OptionParser, fail
 from pipeline.report import build_report
 
 DEFAULT_TASKS = ["niah_single_1", "niah_single_2", "niah_multikey_1", "vt"]
-DEFAULT_METHODS = ["snapkv", "criticalkv-snapkv", "adakv-snapkv", "criticalkv-adakv-snapkv", "headkv-snapkv",
-                   "criticalkv-headkv-snapkv"]
+DEFAULT_METHODS = [
+    "snapkv",
+    "criticalkv-snapkv",
+    "adakv-snapkv",
+    "criticalkv-adakv-snapkv",
+    "headkv-snapkv",
+    "criticalkv-headkv-snapkv",
+]
 
 
 class EvalJob(JobConfig):
@@ -49,16 +55,30 @@ class EvalJob(JobConfig):
     samples: int = Field(5, ge=1, description="documents per task")
     seed: int = Field(0, description="seed of the generated documents")
     methods: list[str] = Field(DEFAULT_METHODS, description="methods swept (spellings as --method)")
-    cache_sizes: list[float] = Field([0.2, 0.4, 1.0], description="kept fractions; 1.0 adds the full-cache "
-                                     "reference (always run)")
-    report_dir: str | None = Field(None, description="local directory for report.md and plots (default: --output; "
-                                   "required when it is a URI)")
+    cache_sizes: list[float] = Field(
+        [0.2, 0.4, 1.0], description="kept fractions; 1.0 adds the full-cache reference (always run)"
+    )
+    report_dir: str | None = Field(
+        None, description="local directory for report.md and plots (default: --output; required when it is a URI)"
+    )
     generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
 
     cli_exclude: ClassVar[tuple[str, ...]] = (
-        "input", "split", "dataset_config", "columns", "instruction", "sample_docs", "sample_words", "sample_seed",
-        "normalise", "compression.method", "compression.scorer", "compression.allocation", "compression.selection",
-        "compression.cache_size", "compression.budget",
+        "input",
+        "split",
+        "dataset_config",
+        "columns",
+        "instruction",
+        "sample_docs",
+        "sample_words",
+        "sample_seed",
+        "normalise",
+        "compression.method",
+        "compression.scorer",
+        "compression.allocation",
+        "compression.selection",
+        "compression.cache_size",
+        "compression.budget",
     )
 
     @classmethod
@@ -82,8 +102,14 @@ def write_documents(config: EvalJob) -> Path:
     except (ModelNotFoundError, OSError, ValueError) as exc:
         fail(f"invalid --model: {exc}")
     try:
-        docs = ruler_documents(config.tasks, config.length, config.samples, token_counter(tokenizer),
-                               seed=config.seed, max_new_tokens=config.generation.max_new_tokens)
+        docs = ruler_documents(
+            config.tasks,
+            config.length,
+            config.samples,
+            token_counter(tokenizer),
+            seed=config.seed,
+            max_new_tokens=config.generation.max_new_tokens,
+        )
     except ValueError as exc:
         fail(f"invalid {exc}")
     for doc in docs:

@@ -42,28 +42,40 @@ class PerturbationJob(BaseModel):
     cache_sizes: list[float] = Field([0.2], description="kept fractions")
     methods: list[str] = Field(DEFAULT_METHODS, description="methods compared (spellings as --method)")
     queries: Literal["question", "continuation", "both"] = Field(
-        "question", description="later queries: RULER question + teacher-forced answer, the context's next tokens, "
-        "or both")
+        "question",
+        description="later queries: RULER question + teacher-forced answer, the context's next tokens, or both",
+    )
     samples: int = Field(1, ge=1, description="documents per query kind")
     query_tokens: int = Field(64, ge=1, description="continuation: later tokens per document")
     task: str = Field("niah_single_2", description="RULER task of the question documents")
     seed: int = Field(0, description="seed of the documents")
-    window_queries: int | None = Field(None, ge=0, description="last context queries of the in-sample 'window' "
-                                       "probe (default: the window; 0 = off)")
+    window_queries: int | None = Field(
+        None, ge=0, description="last context queries of the in-sample 'window' probe (default: the window; 0 = off)"
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
 
     cli_exclude: ClassVar[tuple[str, ...]] = (
-        "compression.method", "compression.scorer", "compression.allocation", "compression.selection",
-        "compression.cache_size", "compression.budget", "compression.max_cache_tokens", "compression.query_aware",
+        "compression.method",
+        "compression.scorer",
+        "compression.allocation",
+        "compression.selection",
+        "compression.cache_size",
+        "compression.budget",
+        "compression.max_cache_tokens",
+        "compression.query_aware",
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, _ = OptionParser(PerturbationJob, prog="jobs/perturbation.py", description=__doc__.splitlines()[0]).parse(argv)
+    config, _ = OptionParser(PerturbationJob, prog="jobs/perturbation.py", description=__doc__.splitlines()[0]).parse(
+        argv
+    )
     try:
-        configs = {label: resolve_head_priors(c, config.model.name)
-                   for label, c in method_configs(config.methods, config.cache_sizes, config.compression).items()}
+        configs = {
+            label: resolve_head_priors(c, config.model.name)
+            for label, c in method_configs(config.methods, config.cache_sizes, config.compression).items()
+        }
     except ValueError as exc:
         fail(f"invalid {exc}")
     t0 = time.perf_counter()
@@ -72,13 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     if config.queries in ("question", "both"):
         docs += question_documents(loaded.tokenizer, config.length, config.samples, config.seed, config.task)
     if config.queries in ("continuation", "both"):
-        docs += continuation_documents(loaded.tokenizer, config.length, config.samples, config.query_tokens, config.seed)
+        docs += continuation_documents(
+            loaded.tokenizer, config.length, config.samples, config.query_tokens, config.seed
+        )
 
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-    table = run_perturbation(loaded.model, docs, configs, model_name=config.model.name, progress=log,
-                             window_queries=config.window_queries)
+    table = run_perturbation(
+        loaded.model, docs, configs, model_name=config.model.name, progress=log, window_queries=config.window_queries
+    )
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out / "perturbation.parquet")

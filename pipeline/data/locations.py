@@ -99,7 +99,7 @@ class Location:
     def suffix(self) -> str:
         return PurePosixPath(self.path).suffix
 
-    def child(self, *names: str) -> "Location":
+    def child(self, *names: str) -> Location:
         path = "/".join([self.path.rstrip("/"), *names])
         uri = "/".join([self.uri.rstrip("/"), *names])
         if self.is_local:
@@ -149,7 +149,7 @@ class Location:
         """``info``'s path relative to this directory."""
         return PurePosixPath(info.path).relative_to(PurePosixPath(self.path))
 
-    def at(self, info: pafs.FileInfo) -> "Location":
+    def at(self, info: pafs.FileInfo) -> Location:
         """The location of an entry listed by :meth:`entries`."""
         return self.child(*self.relative(info).parts)
 
@@ -234,11 +234,13 @@ def resolve(target: str | os.PathLike | Location) -> Location:
     kind = OBJECT_STORE_SCHEMES.get(scheme)
     if kind is None:
         raise StorageError(
-            f"{target}: unsupported URI scheme {scheme!r}; use a local path, s3://bucket/key or gs://bucket/key")
+            f"{target}: unsupported URI scheme {scheme!r}; use a local path, s3://bucket/key or gs://bucket/key"
+        )
     if "?" in rest or "#" in rest:
         raise StorageError(
             f"{target}: query strings are not supported; configure the store with its environment "
-            "(e.g. AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, GOOGLE_APPLICATION_CREDENTIALS)")
+            "(e.g. AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, GOOGLE_APPLICATION_CREDENTIALS)"
+        )
     path = "/".join(p for p in rest.split("/") if p)
     if not path:
         raise StorageError(f"{target}: no bucket given (expected {kind}://bucket/key)")
@@ -249,4 +251,3 @@ def resolve(target: str | os.PathLike | Location) -> Location:
     except Exception as exc:  # noqa: BLE001 - pyarrow built without the store, bad env settings
         raise StorageError(f"{target}: cannot set up the {kind}:// filesystem: {exc}") from exc
     return Location(f"{kind}://{path}", path, fs)
-

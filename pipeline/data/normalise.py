@@ -51,16 +51,21 @@ class ColumnMapping(BaseModel):
     context: str = _column("context", "the long document", "context")
     question: str | None = _column("question", "one question per row", "question")
     questions: str | None = _column(None, "a list of questions per row (instead of --question-column)", "questions")
-    answer_prefix: str | None = _column(None, "text the answer starts with (default: an answer_prefix column)",
-                                        "answer_prefix")
-    reference: str | None = _column(None, "reference answer(s) for scoring (default: a reference(s) column)",
-                                    "reference")
-    question_id: str | None = _column(None, "question ids (default: a question_id(s) column, else 0, 1, ...)",
-                                      "question_id")
-    max_new_tokens: str | None = _column(None, "per-row generation limit (default: a max_new_tokens column)",
-                                         "max_new_tokens")
-    task: str | None = _column(None, "evaluation task name, copied to the output's task column (default: a task "
-                                     "column)", "task")
+    answer_prefix: str | None = _column(
+        None, "text the answer starts with (default: an answer_prefix column)", "answer_prefix"
+    )
+    reference: str | None = _column(
+        None, "reference answer(s) for scoring (default: a reference(s) column)", "reference"
+    )
+    question_id: str | None = _column(
+        None, "question ids (default: a question_id(s) column, else 0, 1, ...)", "question_id"
+    )
+    max_new_tokens: str | None = _column(
+        None, "per-row generation limit (default: a max_new_tokens column)", "max_new_tokens"
+    )
+    task: str | None = _column(
+        None, "evaluation task name, copied to the output's task column (default: a task column)", "task"
+    )
 
     @field_validator("*")
     @classmethod
@@ -70,7 +75,7 @@ class ColumnMapping(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _one_question_shape(self) -> "ColumnMapping":
+    def _one_question_shape(self) -> ColumnMapping:
         if self.questions is not None and "question" in self.model_fields_set and self.question:
             raise ValueError("set either question (one per row) or questions (a list per row), not both")
         return self
@@ -178,7 +183,10 @@ def _parse_row(row: dict, cols: dict[str, Any], where: str) -> dict:
         ids = [None if raw_ids is None else str(raw_ids)]
         refs = [_refs(raw_refs, f"{where}reference", errors)]
     elif not isinstance(raw_q, (list, tuple)) or not raw_q:
-        errors.append(f"{where}questions is {'an empty list' if isinstance(raw_q, (list, tuple)) else _a(_kind(raw_q))}, expected a non-empty list of strings")
+        errors.append(
+            f"{where}questions is {'an empty list' if isinstance(raw_q, (list, tuple)) else _a(_kind(raw_q))}, "
+            "expected a non-empty list of strings"
+        )
         questions, ids, refs = [None], [None], [None]
     else:
         questions = [_text(q, f"{where}question {i}", errors) for i, q in enumerate(raw_q)]
@@ -190,7 +198,8 @@ def _parse_row(row: dict, cols: dict[str, Any], where: str) -> dict:
                 errors.append(f"{where}question_ids must be a list of {len(questions)} ids, got {raw_ids!r}"[:300])
         refs = [None] * len(questions)
         flat = isinstance(raw_refs, str) or (
-            isinstance(raw_refs, (list, tuple)) and all(isinstance(r, str) for r in raw_refs))
+            isinstance(raw_refs, (list, tuple)) and all(isinstance(r, str) for r in raw_refs)
+        )
         if raw_refs is None:
             pass
         elif len(questions) == 1 and flat:  # all references of the only question
@@ -198,8 +207,10 @@ def _parse_row(row: dict, cols: dict[str, Any], where: str) -> dict:
         elif isinstance(raw_refs, (list, tuple)) and len(raw_refs) == len(questions):
             refs = [_refs(r, f"{where}references[{i}]", errors) for i, r in enumerate(raw_refs)]
         else:
-            errors.append(f"{where}references must hold one entry per question ({len(questions)}), "
-                          f"got {_a(_kind(raw_refs))}" + (f" of {len(raw_refs)}" if isinstance(raw_refs, list) else ""))
+            errors.append(
+                f"{where}references must hold one entry per question ({len(questions)}), "
+                f"got {_a(_kind(raw_refs))}" + (f" of {len(raw_refs)}" if isinstance(raw_refs, list) else "")
+            )
     prefix = get("answer_prefix")
     if prefix is not None and not isinstance(prefix, str):
         errors.append(f"{where}answer_prefix is {_a(_kind(prefix))}, expected a string")
@@ -207,11 +218,17 @@ def _parse_row(row: dict, cols: dict[str, Any], where: str) -> dict:
     doc_id = get("id")
     doc_id = None if doc_id is None or (isinstance(doc_id, str) and not doc_id.strip()) else str(doc_id)
     return {
-        "doc_id": doc_id, "context": context, "questions": questions, "question_ids": ids,
-        "references": refs, "answer_prefix": prefix or "",
+        "doc_id": doc_id,
+        "context": context,
+        "questions": questions,
+        "question_ids": ids,
+        "references": refs,
+        "answer_prefix": prefix or "",
         "max_new_tokens": _max_tokens(get("max_new_tokens"), errors),
         "task": get("task") if isinstance(get("task"), str) else None,
-        "errors": errors, "reader_error": row.get("input_error"), "raw": row,
+        "errors": errors,
+        "reader_error": row.get("input_error"),
+        "raw": row,
     }
 
 
@@ -245,9 +262,14 @@ def _finish(doc: dict) -> dict:
     error = doc["reader_error"] or ("; ".join(doc["errors"]) or None)
     references = doc["references"] if any(r is not None for r in doc["references"]) else None
     return {
-        "doc_id": doc["doc_id"], "context": doc["context"],
-        "questions": doc["questions"], "question_ids": ids, "answer_prefix": doc["answer_prefix"],
-        "references": references, "max_new_tokens": doc["max_new_tokens"], "input_error": error,
+        "doc_id": doc["doc_id"],
+        "context": doc["context"],
+        "questions": doc["questions"],
+        "question_ids": ids,
+        "answer_prefix": doc["answer_prefix"],
+        "references": references,
+        "max_new_tokens": doc["max_new_tokens"],
+        "input_error": error,
         "task": doc.get("task"),
     }
 

@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.data.normalise import ColumnMapping, check_duplicate_ids, normalise_batch
 from pipeline.data.locations import Location, StorageError, is_uri, resolve
+from pipeline.data.normalise import ColumnMapping, check_duplicate_ids, normalise_batch
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -72,7 +72,9 @@ def _column(name: str, values: list, lines: list[int], errors: list[list[str]], 
     for i, value in enumerate(values):
         if value is not None and _kind(value) != main:
             if strict:
-                errors[i].append(f"line {lines[i]}: field {name!r} is {_a(_kind(value))}, expected {_a(main)} like the other lines")
+                errors[i].append(
+                    f"line {lines[i]}: field {name!r} is {_a(_kind(value))}, expected {_a(main)} like the other lines"
+                )
             value = None
         kept.append(value)
     try:
@@ -140,8 +142,12 @@ def is_datasets_dir(location: Location) -> bool:
 def parquet_files(location: Location) -> list[pafs.FileInfo]:
     """The Parquet files under a directory or prefix (recursive, sorted by path), skipping names
     that start with ``.`` or ``_`` at any level (temporary files, ``_SUCCESS`` markers)."""
-    listed = [i for i in location.files(recursive=True) if i.extension in ("parquet", "pq")
-              and not any(part.startswith((".", "_")) for part in location.relative(i).parts)]
+    listed = [
+        i
+        for i in location.files(recursive=True)
+        if i.extension in ("parquet", "pq")
+        and not any(part.startswith((".", "_")) for part in location.relative(i).parts)
+    ]
     return sorted(listed, key=lambda i: i.path)
 
 
@@ -151,7 +157,9 @@ def _read_parquet(location: Location) -> pa.Table:
     files = parquet_files(location)
     if not files:
         raise DataSourceError(f"{location}: directory holds no Parquet files and is not a datasets directory")
-    return pa.concat_tables([pq.read_table(f.path, filesystem=location.fs) for f in files], promote_options="permissive")
+    return pa.concat_tables(
+        [pq.read_table(f.path, filesystem=location.fs) for f in files], promote_options="permissive"
+    )
 
 
 def _read_file(location: Location, fields: Collection[str] | None) -> pa.Table:
@@ -197,7 +205,9 @@ def _pick_split(dataset, split: str | None, where: str):
 def looks_like_path(text: str) -> bool:
     """Hub names are ``name`` or ``owner/name``; anything else is meant as a local path."""
     return (
-        text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1
+        text.startswith((".", "/", "~"))
+        or "\\" in text
+        or text.count("/") > 1
         or text.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)
     )
 
@@ -260,8 +270,15 @@ def read_documents(
     """
     columns = columns or ColumnMapping()
     fields = [c for c in columns.model_dump().values() if c] + [
-        "doc_id", "question", "questions", "question_id", "question_ids", "reference",
-        "references", "answer_prefix", "max_new_tokens",
+        "doc_id",
+        "question",
+        "questions",
+        "question_id",
+        "question_ids",
+        "reference",
+        "references",
+        "answer_prefix",
+        "max_new_tokens",
     ]
     table = normalise_batch(read_table(path_or_name, split=split, config=config, fields=fields), columns, row_offset=0)
     if check_duplicates:

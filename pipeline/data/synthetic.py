@@ -28,38 +28,120 @@ import pyarrow.parquet as pq
 from pipeline.data.schema import DOCUMENT_SCHEMA
 
 CITIES = (
-    "Lisbon", "Nairobi", "Osaka", "Reykjavik", "Montevideo", "Tbilisi", "Hanoi", "Quebec",
-    "Marrakesh", "Tallinn", "Cusco", "Adelaide", "Bergen", "Valparaiso", "Kraków", "Lagos",
-    "Santiago", "Helsinki", "Seville", "Kyoto", "Zanzibar", "Ljubljana", "Porto", "Anchorage",
+    "Lisbon",
+    "Nairobi",
+    "Osaka",
+    "Reykjavik",
+    "Montevideo",
+    "Tbilisi",
+    "Hanoi",
+    "Quebec",
+    "Marrakesh",
+    "Tallinn",
+    "Cusco",
+    "Adelaide",
+    "Bergen",
+    "Valparaiso",
+    "Kraków",
+    "Lagos",
+    "Santiago",
+    "Helsinki",
+    "Seville",
+    "Kyoto",
+    "Zanzibar",
+    "Ljubljana",
+    "Porto",
+    "Anchorage",
 )
 _SUBJECTS = (
-    "the committee", "a small team of researchers", "the old harbour", "most visitors",
-    "the regional council", "a local historian", "the northern valley", "several farmers",
-    "the museum", "an independent review", "the river", "our guide", "the village choir",
-    "a travelling merchant", "the library", "the railway company", "a retired engineer",
-    "the weather station", "the school board", "a group of volunteers",
+    "the committee",
+    "a small team of researchers",
+    "the old harbour",
+    "most visitors",
+    "the regional council",
+    "a local historian",
+    "the northern valley",
+    "several farmers",
+    "the museum",
+    "an independent review",
+    "the river",
+    "our guide",
+    "the village choir",
+    "a travelling merchant",
+    "the library",
+    "the railway company",
+    "a retired engineer",
+    "the weather station",
+    "the school board",
+    "a group of volunteers",
 )
 _VERBS = (
-    "described", "examined", "reconsidered", "documented", "celebrated", "questioned",
-    "restored", "mapped", "compared", "recorded", "ignored", "praised", "revisited", "measured",
-    "photographed", "debated", "catalogued", "explained", "admired", "rebuilt",
+    "described",
+    "examined",
+    "reconsidered",
+    "documented",
+    "celebrated",
+    "questioned",
+    "restored",
+    "mapped",
+    "compared",
+    "recorded",
+    "ignored",
+    "praised",
+    "revisited",
+    "measured",
+    "photographed",
+    "debated",
+    "catalogued",
+    "explained",
+    "admired",
+    "rebuilt",
 )
 _OBJECTS = (
-    "the changing seasons", "the quiet streets of the old town", "a collection of letters",
-    "the history of the stone bridge", "patterns of bird migration", "the price of grain",
-    "an abandoned lighthouse", "the colours of the autumn forest", "the tides along the coast",
-    "a forgotten recipe for bread", "the rules of a local card game", "the architecture of the chapel",
-    "the sound of distant bells", "the slow growth of the orchard", "a map of the hidden caves",
-    "the customs of the spring festival", "the shape of the hills", "the rhythm of the market",
+    "the changing seasons",
+    "the quiet streets of the old town",
+    "a collection of letters",
+    "the history of the stone bridge",
+    "patterns of bird migration",
+    "the price of grain",
+    "an abandoned lighthouse",
+    "the colours of the autumn forest",
+    "the tides along the coast",
+    "a forgotten recipe for bread",
+    "the rules of a local card game",
+    "the architecture of the chapel",
+    "the sound of distant bells",
+    "the slow growth of the orchard",
+    "a map of the hidden caves",
+    "the customs of the spring festival",
+    "the shape of the hills",
+    "the rhythm of the market",
 )
 _ADVERBIALS = (
-    "after a long winter", "during the early evening", "with great care", "without much fanfare",
-    "over several decades", "in the spring", "before the first snow", "at the request of the mayor",
-    "for the annual almanac", "despite the heavy rain", "in a small notebook", "under a clear sky",
+    "after a long winter",
+    "during the early evening",
+    "with great care",
+    "without much fanfare",
+    "over several decades",
+    "in the spring",
+    "before the first snow",
+    "at the request of the mayor",
+    "for the annual almanac",
+    "despite the heavy rain",
+    "in a small notebook",
+    "under a clear sky",
 )
 _CONNECTORS = (
-    "Meanwhile,", "In addition,", "By contrast,", "As a result,", "Later,", "For many years,",
-    "Interestingly,", "Even so,", "At the same time,", "Eventually,",
+    "Meanwhile,",
+    "In addition,",
+    "By contrast,",
+    "As a result,",
+    "Later,",
+    "For many years,",
+    "Interestingly,",
+    "Even so,",
+    "At the same time,",
+    "Eventually,",
 )
 _TEMPLATES = (
     "{S} {v} {o} {a}.",
@@ -72,8 +154,15 @@ _TEMPLATES = (
 )
 _SECTIONS = ("Background", "Activities", "Findings", "Finances", "Outlook")
 _ORG_A = ("Northbridge", "Silverlake", "Eastmoor", "Greenhollow", "Redcliff", "Westvale", "Ashford")
-_ORG_B = ("Water Cooperative", "Rail Society", "Library Trust", "Farming Association",
-          "Heritage Foundation", "Harbour Authority", "Weather Institute")
+_ORG_B = (
+    "Water Cooperative",
+    "Rail Society",
+    "Library Trust",
+    "Farming Association",
+    "Heritage Foundation",
+    "Harbour Authority",
+    "Weather Institute",
+)
 _REPORT_TEMPLATES = (
     "In {year}, the {org} recorded {n} new members, {pct} percent more than the year before.",
     "The {org} spent {n} thousand euros on {o}, mostly {a}.",
@@ -89,8 +178,19 @@ def _sentence(rng: random.Random, templates=_TEMPLATES, **extra) -> str:
     v, v2 = rng.sample(_VERBS, 2)
     o, o2 = rng.sample(_OBJECTS, 2)
     a = rng.choice(_ADVERBIALS)
-    fields = dict(s=s, s2=s2, v=v, v2=v2, o=o, o2=o2, a=a, c=rng.choice(_CONNECTORS),
-                  S=s[0].upper() + s[1:], A=a[0].upper() + a[1:], **extra)
+    fields = dict(
+        s=s,
+        s2=s2,
+        v=v,
+        v2=v2,
+        o=o,
+        o2=o2,
+        a=a,
+        c=rng.choice(_CONNECTORS),
+        S=s[0].upper() + s[1:],
+        A=a[0].upper() + a[1:],
+        **extra,
+    )
     return rng.choice(templates).format(**fields)
 
 
@@ -151,8 +251,16 @@ def sample_qa_documents(n_docs: int = 4, target_words: int = 2000, seed: int = 0
                 questions = [f"What is the special magic number for {cities[0]}{ask}?"]
                 prefix, references = f"The special magic number for {cities[0]} is", [numbers[:1]]
         context = _insert(rng, filler_paragraphs(rng, target_words), needles)
-        docs.append(_doc(f"qa-s{seed}-{index:04d}-{kind}", context, questions, prefix, references,
-                         16 * max(len(r) for r in references)))
+        docs.append(
+            _doc(
+                f"qa-s{seed}-{index:04d}-{kind}",
+                context,
+                questions,
+                prefix,
+                references,
+                16 * max(len(r) for r in references),
+            )
+        )
     return docs
 
 
@@ -169,21 +277,29 @@ def sample_summarization_documents(n_docs: int = 3, target_words: int = 1500, se
         for number, title in enumerate(_SECTIONS, start=1):
             parts.append(f"{number}. {title}")
             for paragraph in filler_paragraphs(rng, per_section):
-                facts = [_sentence(rng, _REPORT_TEMPLATES, org=org, year=year, n=rng.randint(12, 950),
-                                   pct=rng.randint(2, 60)) for _ in range(rng.randint(1, 2))]
+                facts = [
+                    _sentence(
+                        rng, _REPORT_TEMPLATES, org=org, year=year, n=rng.randint(12, 950), pct=rng.randint(2, 60)
+                    )
+                    for _ in range(rng.randint(1, 2))
+                ]
                 for fact in facts:
                     paragraph.insert(rng.randint(0, len(paragraph)), fact)
                 parts.append(" ".join(paragraph))
-        docs.append(_doc(f"sum-s{seed}-{index:04d}", "\n\n".join(parts), [SUMMARY_INSTRUCTION],
-                         "Summary:", None, 128))
+        docs.append(_doc(f"sum-s{seed}-{index:04d}", "\n\n".join(parts), [SUMMARY_INSTRUCTION], "Summary:", None, 128))
     return docs
 
 
 def _doc(doc_id, context, questions, prefix, references, max_new_tokens) -> dict:
     return {
-        "doc_id": doc_id, "context": context, "questions": questions,
-        "question_ids": [str(i) for i in range(len(questions))], "answer_prefix": prefix,
-        "references": references, "max_new_tokens": max_new_tokens, "input_error": None,
+        "doc_id": doc_id,
+        "context": context,
+        "questions": questions,
+        "question_ids": [str(i) for i in range(len(questions))],
+        "answer_prefix": prefix,
+        "references": references,
+        "max_new_tokens": max_new_tokens,
+        "input_error": None,
     }
 
 
@@ -191,8 +307,11 @@ def question_rows(docs: list[dict]) -> list[dict]:
     """The same documents flattened to one question per row (the ``question`` input shape)."""
     return [
         {
-            "doc_id": doc["doc_id"], "context": doc["context"], "question": question,
-            "question_id": qid, "answer_prefix": doc["answer_prefix"],
+            "doc_id": doc["doc_id"],
+            "context": doc["context"],
+            "question": question,
+            "question_id": qid,
+            "answer_prefix": doc["answer_prefix"],
             "reference": doc["references"][i] if doc["references"] else None,
             "max_new_tokens": doc["max_new_tokens"],
         }

@@ -56,8 +56,9 @@ def check_resources(config: JobConfig, started_here: bool) -> float:
     if cpus > max_cpus:
         problems.append(("cpus_per_actor", f"{cpus:g} CPUs per actor, but the largest node has {max_cpus:g}"))
     if config.gpus_per_actor > max_gpus:
-        problems.append(("gpus_per_actor", f"{config.gpus_per_actor:g} GPUs per actor, but the largest node has "
-                                           f"{max_gpus:g}"))
+        problems.append(
+            ("gpus_per_actor", f"{config.gpus_per_actor:g} GPUs per actor, but the largest node has {max_gpus:g}")
+        )
     for field_name, message in problems:
         if started_here:
             raise JobConfigError(field_name, message)
@@ -79,6 +80,12 @@ def cluster_gpus() -> list[dict]:
 def ray_facts(config: JobConfig, address: str, cpus: float) -> dict:
     """What the manifest records about the cluster this run used."""
     resources = ray.cluster_resources()
-    return {"address": address, "version": ray.__version__, "cluster_cpus": resources.get("CPU"),
-            "cluster_gpus": resources.get("GPU", 0.0), "cpus_per_actor": cpus, "gpus_per_actor": config.gpus_per_actor,
-            "actors": [config.min_actors, config.max_actors]}
+    return {
+        "address": address,
+        "version": ray.__version__,
+        "cluster_cpus": resources.get("CPU"),
+        "cluster_gpus": resources.get("GPU", 0.0),
+        "cpus_per_actor": cpus,
+        "gpus_per_actor": config.gpus_per_actor,
+        "actors": [config.min_actors, config.max_actors],
+    }

@@ -60,54 +60,79 @@ class JobConfig(BaseModel):
 
     job: Literal["longdoc_qa", "summarize", "eval_compression"] = Field("longdoc_qa", json_schema_extra=HIDDEN)
     # --- input
-    input: str | None = Field(None, description="Parquet file/dir, JSONL, save_to_disk dir, hub dataset, or an "
-                              "s3:// / gs:// URI of Parquet or JSONL (default: built-in sample documents)")
+    input: str | None = Field(
+        None,
+        description="Parquet file/dir, JSONL, save_to_disk dir, hub dataset, or an "
+        "s3:// / gs:// URI of Parquet or JSONL (default: built-in sample documents)",
+    )
     split: str | None = Field(None, description="split of a datasets directory or hub dataset")
     dataset_config: str | None = Field(None, description="hub dataset configuration name")
     columns: ColumnMapping = Field(default_factory=ColumnMapping)
-    instruction: str | None = Field(None, description="summaries: the instruction every document gets as its "
-                                    "only question")
+    instruction: str | None = Field(
+        None, description="summaries: the instruction every document gets as its only question"
+    )
     sample_docs: int = Field(3, ge=1, description="built-in samples: number of documents")
     sample_words: int = Field(800, ge=50, description="built-in samples: words per document")
     sample_seed: int = Field(0, description="built-in samples: random seed")
     normalise: Literal["auto", "driver", "ray"] = Field(
-        "auto", description="where input rows are grouped into documents: on the driver, or in Ray tasks "
-        "(auto: Ray for Parquet inputs over 256 MiB)")
+        "auto",
+        description="where input rows are grouped into documents: on the driver, or in Ray tasks "
+        "(auto: Ray for Parquet inputs over 256 MiB)",
+    )
     # --- output
-    output: str = Field(description="output directory or s3:// / gs:// prefix; rerun into it to resume",
-                        json_schema_extra={"shown_default": "a new outputs/<job>-<timestamp>/"})
+    output: str = Field(
+        description="output directory or s3:// / gs:// prefix; rerun into it to resume",
+        json_schema_extra={"shown_default": "a new outputs/<job>-<timestamp>/"},
+    )
     rows_per_file: int = Field(64, ge=1, description="rows bundled per committed Parquet file")
     retry_errors: bool = Field(False, description="on resume, also redo questions whose row has an error")
     # --- what runs
     model: ModelConfig = Field(default_factory=ModelConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     sweep: list[CompressionConfig] = Field(
-        default_factory=list, json_schema_extra=HIDDEN,
+        default_factory=list,
+        json_schema_extra=HIDDEN,
         description="settings answered from one prefill per document (eval_compression); each answer's row key "
-        "is its question id qualified by the setting (pipeline.engine.types.Setting)")
+        "is its question id qualified by the setting (pipeline.engine.types.Setting)",
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    engine_factory: str | None = Field(None, description="'package.module:function' building the engine from "
-                                       "(model, compression, generation) configs: custom models, tests")
+    engine_factory: str | None = Field(
+        None,
+        description="'package.module:function' building the engine from "
+        "(model, compression, generation) configs: custom models, tests",
+    )
     # --- where it runs
-    ray_address: str | None = Field(None, description="Ray cluster to use (default: $RAY_ADDRESS, else a local Ray "
-                                    "started by the job)")
-    num_actors: int | None = Field(None, ge=1, description="fixed actor pool size (sets min and max actors, over "
-                                   "any value they were given)")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to use (default: $RAY_ADDRESS, else a local Ray started by the job)"
+    )
+    num_actors: int | None = Field(
+        None, ge=1, description="fixed actor pool size (sets min and max actors, over any value they were given)"
+    )
     min_actors: int = Field(1, ge=1, description="smallest actor pool (autoscaling between min and max)")
     max_actors: int = Field(1, ge=1, description="largest actor pool")
     gpus_per_actor: float = Field(0.0, ge=0.0, description="GPUs per actor")
-    cpus_per_actor: float | None = Field(None, gt=0.0, description="CPUs per actor (default: 1 with GPUs, else 2 "
-                                         "or all CPUs if fewer)")
+    cpus_per_actor: float | None = Field(
+        None, gt=0.0, description="CPUs per actor (default: 1 with GPUs, else 2 or all CPUs if fewer)"
+    )
     oom_retry_cache_size: float | None = Field(
-        None, gt=0.0, le=1.0, description="retry a document that ran out of memory once, at this smaller cache size")
+        None, gt=0.0, le=1.0, description="retry a document that ran out of memory once, at this smaller cache size"
+    )
 
     cli_exclude: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:
         """Command-line help layout (:mod:`pipeline.options`)."""
-        ray = ["ray_address", "num_actors", "min_actors", "max_actors", "gpus_per_actor", "cpus_per_actor",
-               "oom_retry_cache_size", "engine_factory"]
+        ray = [
+            "ray_address",
+            "num_actors",
+            "min_actors",
+            "max_actors",
+            "gpus_per_actor",
+            "cpus_per_actor",
+            "oom_retry_cache_size",
+            "engine_factory",
+        ]
         configs = ["columns", "model", "compression", "generation"]
         io = [n for n in cls.model_fields if n not in ray + configs]
         return [("input and output", io), ("Ray resources", ray), ("", configs)]
@@ -165,7 +190,7 @@ class JobConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "JobConfig":
+    def _consistent(self) -> JobConfig:
         if self.min_actors > self.max_actors:
             raise ValueError(f"min_actors ({self.min_actors}) must not exceed max_actors ({self.max_actors})")
         if self.job == "summarize" and self.instruction is not None and not self.instruction.strip():
@@ -213,7 +238,8 @@ class LongDocQAJob(JobConfig):
 
     job: Literal["longdoc_qa"] = Field("longdoc_qa", json_schema_extra=HIDDEN)
     compression: CompressionConfig = Field(
-        default_factory=lambda: CompressionConfig(method="criticalkv-snapkv", cache_size=0.5))
+        default_factory=lambda: CompressionConfig(method="criticalkv-snapkv", cache_size=0.5)
+    )
     generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
 
     cli_exclude: ClassVar[tuple[str, ...]] = ("instruction",)
@@ -223,16 +249,17 @@ class SummarizeJob(JobConfig):
     """Input and output"""
 
     job: Literal["summarize"] = Field("summarize", json_schema_extra=HIDDEN)
-    instruction: str | None = Field(SUMMARY_INSTRUCTION, description="the instruction every document gets as its "
-                                    "only question")
+    instruction: str | None = Field(
+        SUMMARY_INSTRUCTION, description="the instruction every document gets as its only question"
+    )
     sample_docs: int = Field(2, ge=1, description="built-in samples: number of documents")
     sample_words: int = Field(400, ge=50, description="built-in samples: words per document")
     compression: CompressionConfig = Field(
-        default_factory=lambda: CompressionConfig(method="criticalkv-snapkv", cache_size=0.5))
+        default_factory=lambda: CompressionConfig(method="criticalkv-snapkv", cache_size=0.5)
+    )
     generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=64))
 
-    cli_exclude: ClassVar[tuple[str, ...]] = (
-        "columns.question", "columns.questions", "columns.question_id")
+    cli_exclude: ClassVar[tuple[str, ...]] = ("columns.question", "columns.questions", "columns.question_id")
 
 
 JOB_CONFIGS: dict[str, type[JobConfig]] = {"longdoc_qa": LongDocQAJob, "summarize": SummarizeJob}

@@ -26,7 +26,7 @@ def blocks_of(table: pa.Table, batch_size: int) -> list[pa.Table]:
         lengths = [len(c) if c else 0 for c in table.column("context").to_pylist()]
         order.sort(key=lambda i: lengths[i])
     # take() copies: each block owns its buffers (a slice would ship the whole table's buffers)
-    return [table.take(pa.array(order[i:i + batch_size], pa.int64())) for i in range(0, len(order), batch_size)]
+    return [table.take(pa.array(order[i : i + batch_size], pa.int64())) for i in range(0, len(order), batch_size)]
 
 
 def ray_documents(config: JobConfig, done: dict[str, list[str]]):
@@ -36,30 +36,40 @@ def ray_documents(config: JobConfig, done: dict[str, list[str]]):
     ds = ray.data.read_parquet(location.path, filesystem=location.fs, file_extensions=["parquet", "pq"])
     mapping = config.columns
     if config.instruction is not None:
-        ds = ds.map_batches(add_instruction_column, fn_kwargs={"instruction": config.instruction},
-                            batch_format="pyarrow")
+        ds = ds.map_batches(
+            add_instruction_column, fn_kwargs={"instruction": config.instruction}, batch_format="pyarrow"
+        )
         mapping = instruction_mapping(config)
     if cols["listed"]:
         ds = ds.map_batches(normalise_batch, fn_kwargs={"mapping": mapping}, batch_format="pyarrow")
     else:
-        ds = ds.groupby(cols["id"]).map_groups(normalise_batch, fn_kwargs={"mapping": mapping},
-                                               batch_format="pyarrow")
+        ds = ds.groupby(cols["id"]).map_groups(normalise_batch, fn_kwargs={"mapping": mapping}, batch_format="pyarrow")
     if config.instruction is not None:
         ds = ds.map_batches(apply_instruction, fn_kwargs={"instruction": config.instruction}, batch_format="pyarrow")
     sweep = [setting_of(c).columns() for c in config.sweep]
     return ds.map_batches(drop_done, fn_kwargs={"done": done, "sweep": sweep}, batch_format="pyarrow")
 
 
-def build_dataset(config: JobConfig, docs: pa.Table | None, done: dict[str, list[str]], run_id: str, cpus: float,
-                  score: ScoreFunction | None = None):
+def build_dataset(
+    config: JobConfig,
+    docs: pa.Table | None,
+    done: dict[str, list[str]],
+    run_id: str,
+    cpus: float,
+    score: ScoreFunction | None = None,
+):
     """The job's dataset: ``docs`` (driver-normalised) or the Ray-normalised input, then the actors."""
     if docs is not None:
         # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
         ds = ray.data.from_blocks(blocks_of(docs, config.batch_size))
     else:
         ds = ray_documents(config, done)
-    job_fields = {"run_id": run_id, "job": config.job, "model": config.model.name,
-                  **setting_of(config.compression).columns()}
+    job_fields = {
+        "run_id": run_id,
+        "job": config.job,
+        "model": config.model.name,
+        **setting_of(config.compression).columns(),
+    }
     gpu_args = {"num_gpus": config.gpus_per_actor} if config.gpus_per_actor > 0 else {}
     return ds.map_batches(
         Predictor,

@@ -9,9 +9,10 @@ Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipelin
    earlier run of the *same* configuration (its ``manifest.json`` records the settings that define
    a result -- model, method, budgets, decoding, prompts; see ``JobConfig.identity``).
 2. **Input** (:mod:`pipeline.distributed.inputs`): documents are normalised to
-   ``DOCUMENT_SCHEMA`` (one row per document, its questions in lists), so that all question rows of a document travel in one batch and share one compressed
-   context. ``normalise="driver"`` (the default for built-in samples, JSONL, ``datasets``
-   directories, hub datasets and Parquet up to 256 MiB) reads and normalises on the driver with
+   ``DOCUMENT_SCHEMA`` (one row per document, its questions in lists), so that all question rows
+   of a document travel in one batch and share one compressed context. ``normalise="driver"``
+   (the default for built-in samples, JSONL, ``datasets`` directories, hub datasets and Parquet
+   up to 256 MiB) reads and normalises on the driver with
    :func:`pipeline.data.read_table` / :func:`pipeline.data.normalise_batch` (JSONL lines that cannot
    be parsed become error rows, duplicate ``doc_id`` values are rejected up front) and hands Ray
    one block per actor batch. ``normalise="ray"`` (default for larger Parquet inputs) reads with
@@ -129,9 +130,14 @@ class _Run:
         self.debris = sink.remove_debris(self.out.data_location)
         if manifest is None:
             manifest = {
-                "schema_version": SCHEMA_VERSION, "job": self.config.job, "output": self.out.location.uri,
-                "data": DATA_DIR, "identity": self.config.identity(), "fingerprint": self.config.fingerprint(),
-                "created_at": now_iso(), "runs": [],
+                "schema_version": SCHEMA_VERSION,
+                "job": self.config.job,
+                "output": self.out.location.uri,
+                "data": DATA_DIR,
+                "identity": self.config.identity(),
+                "fingerprint": self.config.fingerprint(),
+                "created_at": now_iso(),
+                "runs": [],
             }
         for old in manifest["runs"]:
             if old.get("status") == "running":  # its driver died without updating the manifest
@@ -147,15 +153,25 @@ class _Run:
         expected = {(d, k) for d, ks in zip(doc_ids, keys) for k in ks}
         keep = [not committed.done(d, ks, self.config.retry_errors) for d, ks in zip(doc_ids, keys)]
         docs = docs.filter(pa.array(keep, pa.bool_()))
-        counts = {"docs_input": len(doc_ids), "docs_skipped": len(doc_ids) - docs.num_rows,
-                  "docs_scheduled": docs.num_rows}
+        counts = {
+            "docs_input": len(doc_ids),
+            "docs_skipped": len(doc_ids) - docs.num_rows,
+            "docs_scheduled": docs.num_rows,
+        }
         return expected, docs, counts
 
     def _start_record(self, manifest: dict, committed: sink.Committed, counts: dict) -> dict:
         run = {
-            "run_id": self.run_id, "status": "running", "started_at": now_iso(), "ended_at": None,
-            "config": self.config.model_dump(mode="json"), "normalise": self.mode, "host": host_facts(),
-            "versions": versions(), "gpu": {}, "temporary_files_removed": self.debris,
+            "run_id": self.run_id,
+            "status": "running",
+            "started_at": now_iso(),
+            "ended_at": None,
+            "config": self.config.model_dump(mode="json"),
+            "normalise": self.mode,
+            "host": host_facts(),
+            "versions": versions(),
+            "gpu": {},
+            "temporary_files_removed": self.debris,
             "rows": {"committed_before": committed.rows, **counts},
         }
         manifest["runs"].append(run)
@@ -179,8 +195,10 @@ class _Run:
             self.ray_info = ray_facts(self.config, address, cpus)
             done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
             ds = build_dataset(self.config, docs, done, self.run_id, cpus, self.score)
-            ds.write_datasink(sink.AtomicParquetDatasink(self.out.data_location, self.run_id, self.config.rows_per_file),
-                              ray_remote_args={"num_cpus": 0})
+            ds.write_datasink(
+                sink.AtomicParquetDatasink(self.out.data_location, self.run_id, self.config.rows_per_file),
+                ray_remote_args={"num_cpus": 0},
+            )
         except JobConfigError as exc:
             self._end_early(manifest, run, exc, "failed")
             raise
@@ -194,6 +212,35 @@ class _Run:
                 ray.shutdown()
         return None
 
+    def _record_end(self, manifest, run, error, wall, this_run, summary, final, removed, missing) -> None:
+        """The run's entry in the manifest once its rows are committed and checked."""
+        run.update(
+            {
+                "status": "failed" if error is not None else "completed",
+                "ended_at": now_iso(),
+                "wall_s": round(wall, 3),
+                "ray": self.ray_info,
+                "error": None if error is None else f"{type(error).__name__}: {error}"[:4000],
+            }
+        )
+        run["gpu"]["actor_devices"] = sorted({d for d in this_run.column("device").to_pylist() if d})
+        run["rows"].update(
+            {
+                "written": this_run.num_rows,
+                "ok": summary.rows_ok,
+                "failed": summary.rows_failed,
+                "duplicates_removed": removed,
+                "missing": missing,
+                "committed_total": final.rows,
+            }
+        )
+        run["summary"] = summary.as_dict()
+        manifest["totals"] = {
+            "rows": final.rows,
+            "docs": len(final.answered),
+            "rows_with_error": final.rows - sum(len(v) for v in final.succeeded.values()),
+        }
+
     def _end_early(self, manifest: dict, run: dict, exc: BaseException, status: str) -> None:
         run.update({"status": status, "ended_at": now_iso(), "error": f"{type(exc).__name__}: {exc}"[:4000]})
         self._write(manifest)
@@ -206,30 +253,31 @@ class _Run:
         this_run = sink.read_committed(data, self.run_id)
         wall = time.perf_counter() - self.t0
         summary = summarize(this_run, wall, data.uri, self.config.compression.query_aware, rows_skipped=committed.rows)
-        run.update({
-            "status": "failed" if error is not None else "completed", "ended_at": now_iso(), "wall_s": round(wall, 3),
-            "ray": self.ray_info, "error": None if error is None else f"{type(error).__name__}: {error}"[:4000],
-        })
-        run["gpu"]["actor_devices"] = sorted({d for d in this_run.column("device").to_pylist() if d})
-        run["rows"].update({"written": this_run.num_rows, "ok": summary.rows_ok, "failed": summary.rows_failed,
-                            "duplicates_removed": removed, "missing": missing, "committed_total": final.rows})
-        run["summary"] = summary.as_dict()
-        manifest["totals"] = {"rows": final.rows, "docs": len(final.answered),
-                              "rows_with_error": final.rows - sum(len(v) for v in final.succeeded.values())}
+        self._record_end(manifest, run, error, wall, this_run, summary, final, removed, missing)
         self._write(manifest)
         if error is not None:
             detail = " ".join(str(error).strip().splitlines()[:3])[:600]
-            raise JobFailed(f"run {self.run_id} failed after committing {this_run.num_rows} rows ({type(error).__name__}: "
-                            f"{detail}); details in {self.out.manifest_location}; rerun the same command to resume"
-                            ) from error
+            raise JobFailed(
+                f"run {self.run_id} failed after committing {this_run.num_rows} rows ({type(error).__name__}: "
+                f"{detail}); details in {self.out.manifest_location}; rerun the same command to resume"
+            ) from error
         if echo:
             print(format_summary(summary, f"{self.config.job} run {self.run_id}"), flush=True)
             if missing:
                 print(f"WARNING: {missing} expected rows are missing from {data}", flush=True)
         return RunResult(
-            run_id=self.run_id, output_dir=self.out.path, data_dir=self.out.data, manifest_path=self.out.manifest_path,
-            docs_input=counts["docs_input"], docs_skipped=counts["docs_skipped"] or 0,
-            docs_scheduled=counts["docs_scheduled"], rows_written=this_run.num_rows, duplicates_removed=removed,
-            missing_rows=missing, summary=summary, total_rows=final.rows, wall_s=wall,
+            run_id=self.run_id,
+            output_dir=self.out.path,
+            data_dir=self.out.data,
+            manifest_path=self.out.manifest_path,
+            docs_input=counts["docs_input"],
+            docs_skipped=counts["docs_skipped"] or 0,
+            docs_scheduled=counts["docs_scheduled"],
+            rows_written=this_run.num_rows,
+            duplicates_removed=removed,
+            missing_rows=missing,
+            summary=summary,
+            total_rows=final.rows,
+            wall_s=wall,
             extra={"ray": self.ray_info, "normalise": self.mode},
         )

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
+from pipeline.data.locations import Location, StorageError, resolve
 from pipeline.data.normalise import check_duplicate_ids, normalise_batch
 from pipeline.data.schema import DOCUMENT_SCHEMA
 from pipeline.data.sources import (
@@ -26,7 +27,6 @@ from pipeline.data.synthetic import sample_qa_documents, sample_summarization_do
 from pipeline.distributed.config import JobConfig
 from pipeline.distributed.rundir import JobConfigError
 from pipeline.engine.types import Setting, row_question_ids
-from pipeline.data.locations import Location, StorageError, resolve
 
 DRIVER_NORMALISE_MAX_BYTES = 256 * 2**20  # larger Parquet inputs are normalised in Ray
 INSTRUCTION_COLUMN = "__instruction__"
@@ -130,8 +130,9 @@ def check_ray_input(config: JobConfig) -> dict:
     """Schema-only checks for ``normalise="ray"``; returns the resolved column roles."""
     location = input_location(config)
     try:
-        schema = pads.dataset(location.path, filesystem=location.fs, format="parquet",
-                              ignore_prefixes=[".", "_"]).schema
+        schema = pads.dataset(
+            location.path, filesystem=location.fs, format="parquet", ignore_prefixes=[".", "_"]
+        ).schema
     except (OSError, pa.ArrowInvalid) as exc:
         raise JobConfigError("input", f"cannot read the Parquet schema of {location}: {exc}") from exc
     names = list(schema.names) + ([INSTRUCTION_COLUMN] if config.instruction is not None else [])
@@ -142,8 +143,10 @@ def check_ray_input(config: JobConfig) -> dict:
         raise JobConfigError("columns", str(exc)) from exc
     if not cols["listed"] and cols["id"] is None:
         raise JobConfigError(
-            "columns", "one-question-per-row input normalised in Ray needs a document id column "
-            "(set the id column, or use normalise='driver')")
+            "columns",
+            "one-question-per-row input normalised in Ray needs a document id column "
+            "(set the id column, or use normalise='driver')",
+        )
     return cols
 
 
@@ -153,7 +156,8 @@ def drop_done(table: pa.Table, done: dict[str, list[str]], sweep: list[dict] | N
     if not done:
         return table
     settings = [Setting(**s) for s in sweep or []]
-    keep = [not (doc_id in done and set(row_question_ids(qids, settings)) <= set(done[doc_id]))
-            for doc_id, qids in zip(table.column("doc_id").to_pylist(), table.column("question_ids").to_pylist())]
+    keep = [
+        not (doc_id in done and set(row_question_ids(qids, settings)) <= set(done[doc_id]))
+        for doc_id, qids in zip(table.column("doc_id").to_pylist(), table.column("question_ids").to_pylist())
+    ]
     return table.filter(pa.array(keep, pa.bool_()))
-

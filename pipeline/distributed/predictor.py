@@ -70,9 +70,17 @@ class Predictor:
     ``score`` column of answers whose document has references (None: left empty).
     """
 
-    def __init__(self, model: dict, compression: dict, generation: dict, job_fields: dict,
-                 engine_factory: str | None = None, sweep: list[dict] | None = None,
-                 oom_retry_cache_size: float | None = None, score: ScoreFunction | None = None) -> None:
+    def __init__(
+        self,
+        model: dict,
+        compression: dict,
+        generation: dict,
+        job_fields: dict,
+        engine_factory: str | None = None,
+        sweep: list[dict] | None = None,
+        oom_retry_cache_size: float | None = None,
+        score: ScoreFunction | None = None,
+    ) -> None:
         self.model_config = ModelConfig.model_validate(model)
         self.compression = CompressionConfig.model_validate(compression)
         self.generation = GenerationConfig.model_validate(generation)
@@ -109,11 +117,19 @@ class Predictor:
                 results[i] = str(doc["input_error"])
                 continue
             try:
-                pending.append((i, Request(
-                    doc_id=str(doc["doc_id"]), context=doc["context"], questions=list(doc["questions"]),
-                    question_ids=[str(q) for q in doc["question_ids"]],
-                    answer_prefix=doc.get("answer_prefix") or "", max_new_tokens=doc.get("max_new_tokens"),
-                )))
+                pending.append(
+                    (
+                        i,
+                        Request(
+                            doc_id=str(doc["doc_id"]),
+                            context=doc["context"],
+                            questions=list(doc["questions"]),
+                            question_ids=[str(q) for q in doc["question_ids"]],
+                            answer_prefix=doc.get("answer_prefix") or "",
+                            max_new_tokens=doc.get("max_new_tokens"),
+                        ),
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - a malformed document becomes its error rows
                 results[i] = _short(exc)
         if not pending:
@@ -121,8 +137,9 @@ class Predictor:
         try:
             grouped = self._keyed(pending, self._generate([request for _, request in pending]))
         except Exception:  # noqa: BLE001 - isolate the document(s) that fail
-            logger.warning("batch of %d documents failed, retrying one by one:\n%s", len(pending),
-                           traceback.format_exc())
+            logger.warning(
+                "batch of %d documents failed, retrying one by one:\n%s", len(pending), traceback.format_exc()
+            )
             grouped = []
             for i, request in pending:
                 try:
@@ -166,8 +183,14 @@ class Predictor:
         refs = doc.get("references") or []
         rows = []
         for key, (q, setting) in self._keys(qids).items():
-            row = {**self.job_fields, **(setting.columns() if setting else {}), "doc_id": str(doc["doc_id"]),
-                   "question_id": key, "task": doc.get("task"), "reference": refs[q] if q < len(refs) else None}
+            row = {
+                **self.job_fields,
+                **(setting.columns() if setting else {}),
+                "doc_id": str(doc["doc_id"]),
+                "question_id": key,
+                "task": doc.get("task"),
+                "reference": refs[q] if q < len(refs) else None,
+            }
             if isinstance(answers, str):
                 row["error"] = answers
             elif key in answers:
@@ -208,6 +231,8 @@ class Predictor:
                 rows_to_table([row])
                 safe.append(row)
             except ValueError as exc:
-                identity = {k: row.get(k) for k in (*self.job_fields, "doc_id", "question_id", *columns_filled_by(SETTING))}
+                identity = {
+                    k: row.get(k) for k in (*self.job_fields, "doc_id", "question_id", *columns_filled_by(SETTING))
+                }
                 safe.append({**identity, "error": f"internal: result does not fit the output schema: {exc}"[:2000]})
         return rows_to_table(safe)

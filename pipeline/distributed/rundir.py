@@ -22,9 +22,9 @@ import sys
 import uuid
 from importlib import metadata
 
+from pipeline.data.locations import Location, StorageError, resolve
 from pipeline.data.schema import SCHEMA_VERSION
 from pipeline.distributed.config import JobConfig, identity_differences
-from pipeline.data.locations import Location, StorageError, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,14 @@ def host_facts() -> dict:
         user = getpass.getuser()
     except Exception:  # noqa: BLE001 - containers without a passwd entry
         user = None
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "pid": os.getpid(),
-            "user": user, "cwd": os.getcwd(), "argv": sys.argv}
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "pid": os.getpid(),
+        "user": user,
+        "cwd": os.getcwd(),
+        "argv": sys.argv,
+    }
 
 
 # ---------------------------------------------------------------------- output directory
@@ -111,7 +117,8 @@ class OutputDir:
             return json.loads(self.manifest_location.read_bytes())
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise JobConfigError(
-                "output", f"{self.manifest_location} is unreadable ({exc}); use a new output directory") from exc
+                "output", f"{self.manifest_location} is unreadable ({exc}); use a new output directory"
+            ) from exc
 
     def check(self, config: JobConfig) -> dict | None:
         """Refuse directories this configuration must not write into; returns the manifest."""
@@ -127,24 +134,32 @@ class OutputDir:
             names = [e.base_name for e in entries]
             if any(name != DATA_DIR and not name.startswith(".") for name in names):
                 raise JobConfigError(
-                    "output", f"{self.location} is not empty and holds no {MANIFEST} of this pipeline; "
-                    "choose a new or empty directory")
+                    "output",
+                    f"{self.location} is not empty and holds no {MANIFEST} of this pipeline; "
+                    "choose a new or empty directory",
+                )
             return None
         if manifest.get("schema_version") != SCHEMA_VERSION:
             raise JobConfigError(
-                "output", f"{self.location} holds results of output schema version {manifest.get('schema_version')}, "
-                f"this pipeline writes version {SCHEMA_VERSION}; use a new output directory")
+                "output",
+                f"{self.location} holds results of output schema version {manifest.get('schema_version')}, "
+                f"this pipeline writes version {SCHEMA_VERSION}; use a new output directory",
+            )
         diffs = identity_differences(manifest.get("identity", {}), config.identity())
         if diffs:
             raise JobConfigError(
-                "output", f"{self.location} holds results of a different configuration ({'; '.join(diffs[:6])}); "
-                "rerun with the same settings to resume, or choose a new output directory")
+                "output",
+                f"{self.location} holds results of a different configuration ({'; '.join(diffs[:6])}); "
+                "rerun with the same settings to resume, or choose a new output directory",
+            )
         return manifest
 
     def lock(self) -> None:
         if not self.location.is_local:
-            logger.warning("%s is on object storage, which has no locks: do not start a second run into it "
-                           "until this one ends", self.location)
+            logger.warning(
+                "%s is on object storage, which has no locks: do not start a second run into it until this one ends",
+                self.location,
+            )
             return
         self.location.makedirs()
         handle = open(os.path.join(self.location.path, LOCK), "a+")
@@ -154,7 +169,9 @@ class OutputDir:
             handle.seek(0)
             holder = handle.read().strip()
             handle.close()
-            raise JobConfigError("output", f"another run is writing to {self.location} ({holder or 'lock held'})") from None
+            raise JobConfigError(
+                "output", f"another run is writing to {self.location} ({holder or 'lock held'})"
+            ) from None
         handle.seek(0), handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         handle.flush()

@@ -36,9 +36,8 @@ import pyarrow.parquet as pq
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
-from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
 from pipeline.data.locations import TMP_PREFIX, Location, fsync_directory, resolve
-
+from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
 
 PART_PREFIX = "part-"
 
@@ -140,8 +139,14 @@ def _keys_of(files: list[Location]) -> pa.Table:
         table = pq.read_table(location.path, columns=KEY_COLUMNS, filesystem=location.fs)
         parts.append(table.append_column("file", pa.array([index] * table.num_rows, pa.int32())))
     if not parts:
-        return pa.table({"doc_id": pa.array([], pa.string()), "question_id": pa.array([], pa.string()),
-                         "error": pa.array([], pa.string()), "file": pa.array([], pa.int32())})
+        return pa.table(
+            {
+                "doc_id": pa.array([], pa.string()),
+                "question_id": pa.array([], pa.string()),
+                "error": pa.array([], pa.string()),
+                "file": pa.array([], pa.int32()),
+            }
+        )
     return pa.concat_tables(parts)
 
 
@@ -182,8 +187,12 @@ def dedupe(data_dir: str | os.PathLike | Location, run_id: str) -> int:
     if keys.num_rows == 0:
         return 0
     best: dict[tuple[str, str], tuple[bool, int, int]] = {}
-    rows = zip(keys.column("doc_id").to_pylist(), keys.column("question_id").to_pylist(),
-               keys.column("error").to_pylist(), keys.column("file").to_pylist())
+    rows = zip(
+        keys.column("doc_id").to_pylist(),
+        keys.column("question_id").to_pylist(),
+        keys.column("error").to_pylist(),
+        keys.column("file").to_pylist(),
+    )
     position = defaultdict(int)
     drop: dict[int, set[int]] = defaultdict(set)  # file index -> row positions to drop
     for doc_id, qid, error, file in rows:
@@ -221,7 +230,8 @@ def read_committed(data_dir: str | os.PathLike | Location, run_id: str | None = 
     locations = committed_files(data_dir)
     if not locations:
         return OUTPUT_SCHEMA.empty_table()
-    dataset = pads.dataset([loc.path for loc in locations], schema=OUTPUT_SCHEMA, format="parquet",
-                           filesystem=locations[0].fs)
+    dataset = pads.dataset(
+        [loc.path for loc in locations], schema=OUTPUT_SCHEMA, format="parquet", filesystem=locations[0].fs
+    )
     table = dataset.to_table(filter=None if run_id is None else pc.field("run_id") == run_id)
     return conform(table)

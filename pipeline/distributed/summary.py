@@ -43,8 +43,12 @@ class RunSummary:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else None
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "kv_bytes_saved": self.kv_bytes_saved, "tokens_per_s": self.tokens_per_s,
-                "generated_tokens_per_s": self.generated_tokens_per_s}
+        return {
+            **asdict(self),
+            "kv_bytes_saved": self.kv_bytes_saved,
+            "tokens_per_s": self.tokens_per_s,
+            "generated_tokens_per_s": self.generated_tokens_per_s,
+        }
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -57,12 +61,29 @@ def _percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
-def summarize(table: pa.Table, wall_s: float, output: str = "", query_aware: bool = False,
-              rows_skipped: int = 0) -> RunSummary:
+def summarize(
+    table: pa.Table, wall_s: float, output: str = "", query_aware: bool = False, rows_skipped: int = 0
+) -> RunSummary:
     """Summary of the rows in ``table`` produced in ``wall_s`` seconds."""
-    rows = table.select([c for c in (
-        "doc_id", "question_id", "method", "cache_size", "error", "ttft_s", "context_tokens", "question_tokens", "generated_tokens",
-        "kv_bytes_full", "kv_bytes_kept") if c in table.column_names]).to_pylist()
+    rows = table.select(
+        [
+            c
+            for c in (
+                "doc_id",
+                "question_id",
+                "method",
+                "cache_size",
+                "error",
+                "ttft_s",
+                "context_tokens",
+                "question_tokens",
+                "generated_tokens",
+                "kv_bytes_full",
+                "kv_bytes_kept",
+            )
+            if c in table.column_names
+        ]
+    ).to_pylist()
     ok = [r for r in rows if r.get("error") is None]
     caches: dict[tuple, dict] = {}
     for r in ok:
@@ -73,7 +94,9 @@ def summarize(table: pa.Table, wall_s: float, output: str = "", query_aware: boo
     fractions = [c["kv_bytes_kept"] / c["kv_bytes_full"] for c in caches.values() if c.get("kv_bytes_full")]
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     return RunSummary(
-        rows=len(rows), rows_ok=len(ok), rows_failed=len(rows) - len(ok),
+        rows=len(rows),
+        rows_ok=len(ok),
+        rows_failed=len(rows) - len(ok),
         docs=len({r["doc_id"] for r in rows}),
         ttft_mean_s=sum(ttft) / len(ttft) if ttft else None,
         ttft_p95_s=_percentile(ttft, 95),
@@ -83,7 +106,9 @@ def summarize(table: pa.Table, wall_s: float, output: str = "", query_aware: boo
         prompt_tokens=sum(c.get("context_tokens") or 0 for c in caches.values())
         + sum(r.get("question_tokens") or 0 for r in ok),
         generated_tokens=sum(r.get("generated_tokens") or 0 for r in ok),
-        wall_s=wall_s, output=output, rows_skipped=rows_skipped,
+        wall_s=wall_s,
+        output=output,
+        rows_skipped=rows_skipped,
     )
 
 
@@ -107,10 +132,10 @@ def format_summary(s: RunSummary, title: str = "run summary") -> str:
         ("rows ok / failed", f"{s.rows_ok} / {s.rows_failed}  ({s.docs} documents)"),
         ("rows from earlier runs (kept)", str(s.rows_skipped)),
         ("TTFT mean / p95", f"{_num(s.ttft_mean_s, '.3f', ' s')} / {_num(s.ttft_p95_s, '.3f', ' s')}"),
-        ("mean kept KV fraction", _num(s.kept_fraction_mean, '.1%')),
+        ("mean kept KV fraction", _num(s.kept_fraction_mean, ".1%")),
         ("KV bytes saved", saved),
-        ("tokens/s (prompt+generated)", _num(s.tokens_per_s, ',.0f')),
-        ("generated tokens/s", _num(s.generated_tokens_per_s, ',.1f')),
+        ("tokens/s (prompt+generated)", _num(s.tokens_per_s, ",.0f")),
+        ("generated tokens/s", _num(s.generated_tokens_per_s, ",.1f")),
         ("wall time", f"{s.wall_s:.1f} s"),
         ("output", s.output),
     ]

@@ -32,22 +32,40 @@ class ModelShape:
     device_label: str
 
 
-def make_answers(rows: list[Row], ctx_len: list[int], per_round: list[list[RoundResult]], cost: ContextCost,
-                 shape: ModelShape, setting: Setting | None = None) -> list[Answer]:
+def make_answers(
+    rows: list[Row],
+    ctx_len: list[int],
+    per_round: list[list[RoundResult]],
+    cost: ContextCost,
+    shape: ModelShape,
+    setting: Setting | None = None,
+) -> list[Answer]:
     """One :class:`Answer` per (row, question), rows first then their questions in order."""
     answers = []
     for b, row in enumerate(rows):
         full_entries = int(ctx_len[b]) * shape.num_layers * shape.num_kv_heads
         for r, q in enumerate(row.question_indices):
             result = per_round[r][b]
-            answers.append(Answer(
-                doc_id=row.request.doc_id, question_id=row.request.question_ids[q], prediction=result.text,
-                context_tokens=int(ctx_len[b]), question_tokens=result.question_tokens,
-                generated_tokens=result.generated_tokens, truncated_tokens=row.prompt.truncated_tokens,
-                kv_entries_full=full_entries, kv_entries_kept=int(cost.entries[b]),
-                kv_bytes_full=full_entries * 2 * shape.head_dim * shape.itemsize, kv_bytes_kept=int(cost.kept_bytes[b]),
-                ttft_s=cost.ttft_base_s + result.question_s, compress_s=cost.compress_s, decode_s=result.decode_s,
-                decode_ms_per_token=(1000.0 * result.decode_s / result.steps) if result.steps else None,
-                peak_memory_bytes=cost.peak_memory_bytes, device=shape.device_label, setting=setting,
-            ))
+            answers.append(
+                Answer(
+                    doc_id=row.request.doc_id,
+                    question_id=row.request.question_ids[q],
+                    prediction=result.text,
+                    context_tokens=int(ctx_len[b]),
+                    question_tokens=result.question_tokens,
+                    generated_tokens=result.generated_tokens,
+                    truncated_tokens=row.prompt.truncated_tokens,
+                    kv_entries_full=full_entries,
+                    kv_entries_kept=int(cost.entries[b]),
+                    kv_bytes_full=full_entries * 2 * shape.head_dim * shape.itemsize,
+                    kv_bytes_kept=int(cost.kept_bytes[b]),
+                    ttft_s=cost.ttft_base_s + result.question_s,
+                    compress_s=cost.compress_s,
+                    decode_s=result.decode_s,
+                    decode_ms_per_token=(1000.0 * result.decode_s / result.steps) if result.steps else None,
+                    peak_memory_bytes=cost.peak_memory_bytes,
+                    device=shape.device_label,
+                    setting=setting,
+                )
+            )
     return answers

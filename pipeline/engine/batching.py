@@ -32,8 +32,15 @@ def check_request(request: Request) -> None:
         raise ValueError("missing or empty question")
 
 
-def rows_for(request: Request, prompts: PromptBuilder, *, max_total_tokens: int | None, max_new_tokens: int,
-             truncate: str, query_aware: bool) -> list[Row]:
+def rows_for(
+    request: Request,
+    prompts: PromptBuilder,
+    *,
+    max_total_tokens: int | None,
+    max_new_tokens: int,
+    truncate: str,
+    query_aware: bool,
+) -> list[Row]:
     """The prefill rows of one request (see the module docstring)."""
     check_request(request)
     encode = dict(max_total_tokens=max_total_tokens, reserve_tokens=max_new_tokens, truncate=truncate)
@@ -48,8 +55,9 @@ def rows_for(request: Request, prompts: PromptBuilder, *, max_total_tokens: int 
     return rows
 
 
-def left_pad(sequences: list[list[int]], offsets: torch.Tensor, pad_id: int,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    sequences: list[list[int]], offsets: torch.Tensor, pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) ids and positions (offset + index among real tokens, -1 on padding), left padded."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)

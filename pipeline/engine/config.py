@@ -22,16 +22,25 @@ class ModelConfig(_Strict):
     when a GPU is visible, otherwise CPU + float32.
     """
 
-    name: str = Field("smollm2", description="smollm2 (bundled SmolLM2-135M-Instruct), a hub id in the local HF "
-                      "cache, a local safetensors directory, or a .gguf file", json_schema_extra={"flag": "model"})
+    name: str = Field(
+        "smollm2",
+        description="smollm2 (bundled SmolLM2-135M-Instruct), a hub id in the local HF "
+        "cache, a local safetensors directory, or a .gguf file",
+        json_schema_extra={"flag": "model"},
+    )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when visible)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
+        "auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)"
+    )
     trust_remote_code: bool = Field(False, description="allow model repositories to run their own code")
-    cache_dir: Path | None = Field(None, description="where converted GGUF models are kept (default: "
-                                   "$CRITICALKV_CACHE_DIR or ~/.cache/criticalkv-pipeline)")
-    max_context_tokens: int | None = Field(None, ge=16, description="context window; longer contexts are cut "
-                                           "(default: the model's window)")
+    cache_dir: Path | None = Field(
+        None,
+        description="where converted GGUF models are kept (default: "
+        "$CRITICALKV_CACHE_DIR or ~/.cache/criticalkv-pipeline)",
+    )
+    max_context_tokens: int | None = Field(
+        None, ge=16, description="context window; longer contexts are cut (default: the model's window)"
+    )
 
     @field_validator("name")
     @classmethod
@@ -47,5 +56,6 @@ class GenerationConfig(_Strict):
     max_new_tokens: int = Field(64, ge=1, le=8192, description="generated tokens per answer at most")
     batch_size: int = Field(1, ge=1, description="documents prefilled together (left padded), per actor call")
     truncate: Literal["middle", "left", "error"] = Field(
-        "middle", description="a context longer than the window: cut its middle (as LongBench), its start, or fail "
-        "the row")
+        "middle",
+        description="a context longer than the window: cut its middle (as LongBench), its start, or fail the row",
+    )

@@ -66,8 +66,9 @@ class Decoder:
         ids, pos = left_pad([r.prompt.context_ids for r in rows], zeros, self.pad_id, self.device)
         return ctx_len, self.forward(cache, ids, pos)
 
-    def answer_rounds(self, cache: VarLenCache, rows: list[Row], ctx_len: torch.Tensor, logits: torch.Tensor,
-                      limits: list[int]) -> list[list[RoundResult]]:
+    def answer_rounds(
+        self, cache: VarLenCache, rows: list[Row], ctx_len: torch.Tensor, logits: torch.Tensor, limits: list[int]
+    ) -> list[list[RoundResult]]:
         """Every question round from one compressed context (rolled back between rounds);
         ``limits``: each row's max new tokens. Returns [round][row]."""
         rounds = max(len(r.question_indices) for r in rows)
@@ -80,8 +81,15 @@ class Decoder:
             per_round.append(self._answer_round(cache, rows, r, ctx_len, logits, limits))
         return per_round
 
-    def _answer_round(self, cache: VarLenCache, rows: list[Row], r: int, ctx_len: torch.Tensor,
-                      prefill_logits: torch.Tensor, limits: list[int]) -> list[RoundResult]:
+    def _answer_round(
+        self,
+        cache: VarLenCache,
+        rows: list[Row],
+        r: int,
+        ctx_len: torch.Tensor,
+        prefill_logits: torch.Tensor,
+        limits: list[int],
+    ) -> list[RoundResult]:
         """Prefill question r of every row (rows without one repeat their last) and decode greedily."""
         q_ids = [row.prompt.question_ids[min(r, len(row.prompt.question_ids) - 1)] for row in rows]
         q_len = torch.tensor([len(q) for q in q_ids])
@@ -100,13 +108,17 @@ class Decoder:
             RoundResult(
                 text=self.tokenizer.decode(tokens[b], skip_special_tokens=True),
                 generated_tokens=len(tokens[b]) + (1 if len(tokens[b]) < limits[b] else 0),
-                question_tokens=int(q_len[b]), question_s=q_s, decode_s=decode_s, steps=steps,
+                question_tokens=int(q_len[b]),
+                question_s=q_s,
+                decode_s=decode_s,
+                steps=steps,
             )
             for b in range(len(rows))
         ]
 
-    def _greedy(self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor,
-                limits: list[int]) -> tuple[list[list[int]], int]:
+    def _greedy(
+        self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor, limits: list[int]
+    ) -> tuple[list[list[int]], int]:
         """Greedy tokens per row (EOS excluded) and the number of decode forwards."""
         bsz = logits.shape[0]
         tokens: list[list[int]] = [[] for _ in range(bsz)]

@@ -64,7 +64,8 @@ class Engine:
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            itemsize=torch.tensor([], dtype=loaded.dtype).element_size(), device_label=device_label(loaded.device),
+            itemsize=torch.tensor([], dtype=loaded.dtype).element_size(),
+            device_label=device_label(loaded.device),
         )
         self.compression = compression or CompressionConfig()
         self.generation = generation or GenerationConfig()
@@ -78,10 +79,20 @@ class Engine:
         self.decoder = Decoder(self.model, self.tokenizer, self.device)
 
     @classmethod
-    def from_config(cls, model: ModelConfig, compression: CompressionConfig, generation: GenerationConfig,
-                    oom_retry_cache_size: float | None = None) -> "Engine":
-        return cls(load_model(model), compression, generation, max_context_tokens=model.max_context_tokens,
-                   oom_retry_cache_size=oom_retry_cache_size)
+    def from_config(
+        cls,
+        model: ModelConfig,
+        compression: CompressionConfig,
+        generation: GenerationConfig,
+        oom_retry_cache_size: float | None = None,
+    ) -> Engine:
+        return cls(
+            load_model(model),
+            compression,
+            generation,
+            max_context_tokens=model.max_context_tokens,
+            oom_retry_cache_size=oom_retry_cache_size,
+        )
 
     def make_compressor(self, config: CompressionConfig) -> Compressor:
         """A compressor for this model (HeadKV priors read from the config's file, or the shipped ones)."""
@@ -175,9 +186,14 @@ class Engine:
 
     # ------------------------------------------------------------------ one batch
     def _rows_for(self, request: Request) -> list[Row]:
-        return rows_for(request, self.prompts, max_total_tokens=self.max_context_tokens,
-                        max_new_tokens=self._max_new(request), truncate=self.generation.truncate,
-                        query_aware=self.compression.query_aware)
+        return rows_for(
+            request,
+            self.prompts,
+            max_total_tokens=self.max_context_tokens,
+            max_new_tokens=self._max_new(request),
+            truncate=self.generation.truncate,
+            query_aware=self.compression.query_aware,
+        )
 
     def _max_new(self, request: Request) -> int:
         return request.max_new_tokens or self.generation.max_new_tokens
@@ -192,8 +208,13 @@ class Engine:
             ctx_len, logits = self.decoder.prefill(rows, cache, compressor.config.cache_size)
             prefill_s = now(self.device) - t0
             per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits)
-        cost = ContextCost(cache.context_entries.tolist(), cache.context_bytes.tolist(), prefill_s,
-                           cache.compress_seconds, meter.peak_bytes)
+        cost = ContextCost(
+            cache.context_entries.tolist(),
+            cache.context_bytes.tolist(),
+            prefill_s,
+            cache.compress_seconds,
+            meter.peak_bytes,
+        )
         return make_answers(rows, ctx_len.tolist(), per_round, cost, self.shape, setting)
 
     @torch.inference_mode()
@@ -209,8 +230,9 @@ class Engine:
             for index in range(len(compressors)):
                 cache = capture.compressed(index)
                 per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits)
-                results.append((cache.context_entries.tolist(), cache.context_bytes.tolist(), cache.compress_seconds,
-                                per_round))
+                results.append(
+                    (cache.context_entries.tolist(), cache.context_bytes.tolist(), cache.compress_seconds, per_round)
+                )
                 del cache  # one derived cache alive at a time
         answers = []
         for compressor, (entries, kept_bytes, compress_s, per_round) in zip(compressors, results):

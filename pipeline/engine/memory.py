@@ -21,7 +21,7 @@ class PeakMemory:
         self.device = device
         self.peak_bytes: int | None = None
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -44,7 +44,8 @@ def resolve_head_priors(config: CompressionConfig, model_name: str) -> Compressi
     if shipped is None:
         raise ValueError(
             f"head_priors: method {config.method!r} needs a HeadKV priors JSON file and none ships for model "
-            f"{model_name!r}; write one with jobs/calibrate_heads.py and pass --head-priors")
+            f"{model_name!r}; write one with jobs/calibrate_heads.py and pass --head-priors"
+        )
     return config.model_copy(update={"head_priors": shipped})
 
 

@@ -31,7 +31,8 @@ Recipe implemented here (all offline, seeded):
   *query* head; :func:`pipeline.engine.priors.load_head_priors` averages them per KV group.
 
 HeadKV's retrieval-reasoning variant (attention mass of the top-k positions on reasoning needles)
-is not implemented. Shipped files live in ``pipeline/resources/headkv/`` (:func:`pipeline.engine.priors.shipped_priors`).
+is not implemented. Shipped files live in ``pipeline/resources/headkv/``
+(:func:`pipeline.engine.priors.shipped_priors`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,8 +49,8 @@ import torch
 from ..engine.prompts import SEPARATOR, PromptBuilder
 from ..kv.attention import register_recording
 from .ruler import fit_size
-from .ruler_tasks import insert_after_sentences
 from .ruler_data import NOISE_HAYSTACK, essay_words, random_value, random_word, split_sentences
+from .ruler_tasks import insert_after_sentences
 
 KIND_NAMES = {"numbers": "number", "words": "word"}
 MATCHES = ("position", "token")
@@ -138,8 +139,14 @@ def _insert(words: list[str], start: int, size: int, needle: str, depth: float) 
 
 
 def _fitted_context(
-    ids: Callable[[str], list[int]], pool: list[str], start: int, intro: str, needle: str, depth: float,
-    question_tokens: int, length: int,
+    ids: Callable[[str], list[int]],
+    pool: list[str],
+    start: int,
+    intro: str,
+    needle: str,
+    depth: float,
+    question_tokens: int,
+    length: int,
 ) -> str:
     """The longest ``intro + haystack-with-needle`` whose tokens plus the question's fit ``length``."""
     contexts: dict[int, str] = {}
@@ -228,8 +235,13 @@ class _CaseMaker:
         copy = body[forced[0] : forced[-1] + 1]
         input_ids = prompt.context_ids + prompt.question_ids[0] + copy
         return NeedleCase(
-            case_id="", input_ids=input_ids, needle_start=body_at + scored[0], needle_len=len(scored),
-            copy_start=len(input_ids) - len(copy) + scored[0] - forced[0], length=length, depth=float(depth),
+            case_id="",
+            input_ids=input_ids,
+            needle_start=body_at + scored[0],
+            needle_len=len(scored),
+            copy_start=len(input_ids) - len(copy) + scored[0] - forced[0],
+            length=length,
+            depth=float(depth),
             kind=kind,
         )
 
@@ -272,8 +284,12 @@ def score_case(model: torch.nn.Module, case: NeedleCase, match: str = "position"
     previous = model.config._attn_implementation
     try:
         model.set_attn_implementation(register_recording())
-        out = model.base_model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None],
-                               use_cache=False, attention_recorder=recorder)
+        out = model.base_model(
+            input_ids=ids,
+            position_ids=torch.arange(ids.shape[1], device=device)[None],
+            use_cache=False,
+            attention_recorder=recorder,
+        )
     finally:
         model.set_attn_implementation(previous)
     top = torch.stack([recorder.top[i] for i in range(model.config.num_hidden_layers)])  # (L, H_q, J)
@@ -299,8 +315,10 @@ def calibrate(
         per_case.append(hits)
         accuracy.append(acc)
         if progress is not None:
-            progress(f"[{i + 1}/{len(cases)}] {case.case_id}: {len(case.input_ids)} tokens, copy accuracy {acc:.2f}, "
-                     f"best head {float(hits.max()):.2f}")
+            progress(
+                f"[{i + 1}/{len(cases)}] {case.case_id}: {len(case.input_ids)} tokens, copy accuracy {acc:.2f}, "
+                f"best head {float(hits.max()):.2f}"
+            )
     stacked = torch.stack(per_case)
     return CalibrationResult(stacked.mean(0), stacked, accuracy, list(cases), match, time.perf_counter() - t0)
 
@@ -312,13 +330,20 @@ def priors_document(model_name: str, config, result: CalibrationResult, settings
         raise ValueError(f"scores {tuple(result.scores.shape)} do not match the model's layers x query heads")
     lengths = sorted({c.length for c in result.cases})
     by_length = {
-        str(n): round(sum(a for a, c in zip(result.copy_accuracy, result.cases) if c.length == n)
-                      / sum(1 for c in result.cases if c.length == n), 4)
+        str(n): round(
+            sum(a for a, c in zip(result.copy_accuracy, result.cases) if c.length == n)
+            / sum(1 for c in result.cases if c.length == n),
+            4,
+        )
         for n in lengths
     }
     info = {
         "score": "fraction of teacher-forced copy steps at which the head's top-1 attended position is the "
-        + ("needle token being copied" if result.match == "position" else "needle span position holding the copied token id"),
+        + (
+            "needle token being copied"
+            if result.match == "position"
+            else "needle span position holding the copied token id"
+        ),
         "match": result.match,
         "lengths": lengths,
         "depths": sorted({c.depth for c in result.cases}),

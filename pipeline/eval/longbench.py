@@ -73,9 +73,7 @@ def longbench_dataset_name(name: str) -> str:
         return name
     if name.endswith("_e") and name[:-2] in LONGBENCH_DATASET_METRIC:
         return name[:-2]
-    raise ValueError(
-        f"unknown LongBench dataset {name!r}; known datasets: {', '.join(LONGBENCH_DATASET_METRIC)}"
-    )
+    raise ValueError(f"unknown LongBench dataset {name!r}; known datasets: {', '.join(LONGBENCH_DATASET_METRIC)}")
 
 
 def load_longbench_jsonl(path: str | Path, dataset: str | None = None) -> list[dict]:

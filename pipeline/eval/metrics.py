@@ -90,8 +90,8 @@ def normalize_answer(text: str) -> str:
 
 
 _ZH_PUNCT = set(
-    string.punctuation
-    + "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+    string.punctuation + "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》"
+    "「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
 )
 _ZH_TOKEN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]|[^\s\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
 
@@ -115,7 +115,9 @@ def token_f1(prediction_tokens: Sequence[str], reference_tokens: Sequence[str]) 
 
 def qa_f1(prediction: str, references: References, **_) -> float:
     """LongBench ``qa_f1_score``: token F1 of the normalised answers, max over references."""
-    return _best(lambda p, r: token_f1(normalize_answer(p).split(), normalize_answer(r).split()), prediction, references)
+    return _best(
+        lambda p, r: token_f1(normalize_answer(p).split(), normalize_answer(r).split()), prediction, references
+    )
 
 
 def qa_f1_zh(prediction: str, references: References, **_) -> float:

@@ -73,11 +73,9 @@ sliding window shorter than the sequence are refused), no decode-time cap (``max
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
-import torch.nn.functional as F
 
 from ..engine.priors import load_head_priors
 from ..kv.allocation import row_budgets
@@ -121,7 +119,6 @@ SCHEMA = pa.schema(
 )
 
 
-
 # --------------------------------------------------------------------------- per-document analysis
 
 
@@ -137,8 +134,11 @@ def method_configs(
     sharing ``base``'s other knobs (window, pooling, epsilon, priors ...)."""
     sizes = [cache_sizes] if isinstance(cache_sizes, (int, float)) else list(cache_sizes)
     base = base or CompressionConfig()
-    return {f"{m}@{cs:g}": base.with_method(m, cache_size=cs, budget=None, query_aware=False, max_cache_tokens=None)
-            for cs in sizes for m in methods}
+    return {
+        f"{m}@{cs:g}": base.with_method(m, cache_size=cs, budget=None, query_aware=False, max_cache_tokens=None)
+        for cs in sizes
+        for m in methods
+    }
 
 
 class _Recorder:
@@ -168,7 +168,12 @@ class _Recorder:
         w = self.window_queries
         if w > 0:
             probes["window"] = LayerProbe(
-                query[0, :, n - w : n], k_ctx[0], v_ctx[0], torch.arange(n - w, n, device=key.device), proj, scaling,
+                query[0, :, n - w : n],
+                k_ctx[0],
+                v_ctx[0],
+                torch.arange(n - w, n, device=key.device),
+                proj,
+                scaling,
                 norms=probe.norms[:, :, :n],
             )
         mean_norms = probe.norms[:, :, :n].mean(1)  # (H_kv, n), group mean as in the method
@@ -185,15 +190,30 @@ class _Recorder:
                 skey = (cfg.cache_size, cfg.budget, cfg.window, cfg.kernel, cfg.pooling)
                 if skey not in scores_cache:
                     _, row_w = row_budgets(torch.tensor([n], device=key.device), cfg.cache_size, cfg.budget, cfg.window)
-                    scores_cache[skey] = snapkv_scores(q_ctx, k_ctx, positions, row_w, cfg.kernel, cfg.pooling, scaling)[0]
+                    scores_cache[skey] = snapkv_scores(
+                        q_ctx, k_ctx, positions, row_w, cfg.kernel, cfg.pooling, scaling
+                    )[0]
                 s = scores_cache[skey]
                 evicted = ~keep[0]
-                weight = torch.where(evicted, s.clamp(min=0).nan_to_num(0.0, posinf=0.0) + cfg.epsilon, torch.zeros_like(s))
+                weight = torch.where(
+                    evicted, s.clamp(min=0).nan_to_num(0.0, posinf=0.0) + cfg.epsilon, torch.zeros_like(s)
+                )
                 proxy = (weight * mean_norms).sum(-1).double().cpu()
             self.results[name].append((idx, keep[0].sum(-1).cpu(), stats, proxy))
             self.layers[name][idx] = VarLenLayer.from_dense(k_ctx, v_ctx, positions, keep)
         full = torch.ones(1, h_kv, n, dtype=torch.bool, device=key.device)
         self.layers[_REFERENCE][idx] = VarLenLayer.from_dense(k_ctx, v_ctx, positions, full)
+
+
+def _check_inputs(model, configs: dict[str, CompressionConfig], n: int, t: int) -> None:
+    if n == 0 or t == 0:
+        raise ValueError("need a non-empty context and at least one later query token")
+    _check_model(model, n + t)
+    for name, cfg in configs.items():
+        if cfg.max_cache_tokens is not None or cfg.query_aware:
+            raise ValueError(
+                f"{name}: the diagnostics measure prefill compression only (no max_cache_tokens / query_aware)"
+            )
 
 
 def _check_model(model, total: int) -> None:
@@ -209,10 +229,14 @@ def _load_priors(cfg: CompressionConfig, model) -> torch.Tensor | None:
     if cfg.head_priors is None or not cfg.needs_head_priors:
         return None
     c = model.config
-    return load_head_priors(cfg.head_priors, c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+    return load_head_priors(
+        cfg.head_priors, c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    )
 
 
-def _run_later(model, layers: dict[int, VarLenLayer], compressor: Compressor, later: torch.Tensor, n: int) -> torch.Tensor:
+def _run_later(
+    model, layers: dict[int, VarLenLayer], compressor: Compressor, later: torch.Tensor, n: int
+) -> torch.Tensor:
     """Final hidden states (T, hidden) of the later tokens over a cache holding ``layers``."""
     cache = VarLenCache.from_layers([layers[i] for i in range(model.config.num_hidden_layers)], compressor)
     pos = torch.arange(n, n + later.shape[-1], device=later.device)[None]
@@ -244,13 +268,7 @@ def analyse_document(
     ctx = torch.as_tensor(context_ids, dtype=torch.long, device=device).reshape(-1)
     later = torch.as_tensor(query_ids, dtype=torch.long, device=device).reshape(-1)
     n, t = ctx.numel(), later.numel()
-    if n == 0 or t == 0:
-        raise ValueError("need a non-empty context and at least one later query token")
-    _check_model(model, n + t)
-    for name, cfg in configs.items():
-        if cfg.max_cache_tokens is not None or cfg.query_aware:
-            raise ValueError(f"{name}: the diagnostics measure prefill compression only (no max_cache_tokens / "
-                             "query_aware)")
+    _check_inputs(model, configs, n, t)
     compressors = {name: Compressor(cfg, _load_priors(cfg, model)) for name, cfg in configs.items()}
     if window_queries is None:
         window_queries = max((cfg.window for cfg in configs.values()), default=0)
@@ -259,27 +277,54 @@ def analyse_document(
     rows: dict[str, list] = {f.name: [] for f in SCHEMA}
     try:
         model.set_attn_implementation(register_recording())
-        model.base_model(input_ids=torch.cat([ctx, later])[None], position_ids=torch.arange(n + t, device=device)[None],
-                         use_cache=False, attention_recorder=recorder)
+        model.base_model(
+            input_ids=torch.cat([ctx, later])[None],
+            position_ids=torch.arange(n + t, device=device)[None],
+            use_cache=False,
+            attention_recorder=recorder,
+        )
         model.set_attn_implementation(register_varlen_attention())
-        h_ref = _run_later(model, recorder.layers[_REFERENCE], Compressor(CompressionConfig()), later, n)
-        head = model.get_output_embeddings()
-        top_ref = head(h_ref).argmax(-1)
+        end_to_end = _end_to_end(model, recorder, compressors, later, n)
         for name, cfg in configs.items():
-            h_hat = _run_later(model, recorder.layers[name], compressors[name], later, n)
-            end_to_end = (float(((h_hat - h_ref).norm(dim=-1) / h_ref.norm(dim=-1).clamp(min=1e-12)).mean()),
-                          float((head(h_hat).argmax(-1) == top_ref).float().mean()))
-            common = {"doc_id": doc_id, "query_kind": query_kind, "model": model_name, "method": cfg.method,
-                      "base_method": base_method(cfg), "criticalkv": cfg.selection == "criticalkv",
-                      "cache_size": float(cfg.cache_size), "context_tokens": n}
-            _method_rows(rows, common, recorder.results[name], end_to_end, t, recorder.window_queries)
+            common = {
+                "doc_id": doc_id,
+                "query_kind": query_kind,
+                "model": model_name,
+                "method": cfg.method,
+                "base_method": base_method(cfg),
+                "criticalkv": cfg.selection == "criticalkv",
+                "cache_size": float(cfg.cache_size),
+                "context_tokens": n,
+            }
+            _method_rows(rows, common, recorder.results[name], end_to_end[name], t, recorder.window_queries)
     finally:
         model.set_attn_implementation(previous)
     return pa.Table.from_pydict(rows, schema=SCHEMA)
 
 
-def _method_rows(rows: dict[str, list], common: dict, results: list, end_to_end: tuple[float, float],
-                 later_tokens: int, window_queries: int) -> None:
+def _end_to_end(model, recorder, compressors: dict[str, Compressor], later: torch.Tensor, n: int) -> dict:
+    """Per method (hidden deviation, top-1 agreement) of the later tokens vs the full cache."""
+    h_ref = _run_later(model, recorder.layers[_REFERENCE], Compressor(CompressionConfig()), later, n)
+    head = model.get_output_embeddings()
+    top_ref = head(h_ref).argmax(-1)
+    out = {}
+    for name, compressor in compressors.items():
+        h_hat = _run_later(model, recorder.layers[name], compressor, later, n)
+        out[name] = (
+            float(((h_hat - h_ref).norm(dim=-1) / h_ref.norm(dim=-1).clamp(min=1e-12)).mean()),
+            float((head(h_hat).argmax(-1) == top_ref).float().mean()),
+        )
+    return out
+
+
+def _method_rows(
+    rows: dict[str, list],
+    common: dict,
+    results: list,
+    end_to_end: tuple[float, float],
+    later_tokens: int,
+    window_queries: int,
+) -> None:
     """Append one method's rows: per (layer, probe, KV head); ``end_to_end`` = (hidden deviation,
     top-1 agreement) of the later tokens, on the later-probe rows only."""
     for layer, kept, per_probe, proxy in results:
@@ -315,7 +360,9 @@ def run_perturbation(
     tables = []
     for doc in documents:
         tables.append(
-            analyse_document(model, doc.context_ids, doc.query_ids, configs, doc.doc_id, doc.query_kind, model_name, window_queries)
+            analyse_document(
+                model, doc.context_ids, doc.query_ids, configs, doc.doc_id, doc.query_kind, model_name, window_queries
+            )
         )
         if progress is not None:
             progress(f"{doc.doc_id}: {len(doc.context_ids)} context + {len(doc.query_ids)} query tokens done")

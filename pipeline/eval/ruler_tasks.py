@@ -150,9 +150,7 @@ def build_niah(cfg: NiahConfig, sample_seed: int, size: int) -> Sample:
     keys = data.distinct_values(rng, cfg.type_k, num_k)
     flat_values = data.distinct_values(rng, cfg.type_v, num_k * cfg.num_v)
     values = [flat_values[i * cfg.num_v : (i + 1) * cfg.num_v] for i in range(num_k)]
-    needles = [
-        NEEDLE.format(type_needle_v=cfg.type_v, key=k, value=v) for k, vs in zip(keys, values) for v in vs
-    ]
+    needles = [NEEDLE.format(type_needle_v=cfg.type_v, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
     rng.shuffle(needles)
     queried = rng.sample(range(num_k), cfg.num_q)
     pos_rng = random.Random(rng.getrandbits(64))  # everything below may depend on size

@@ -60,9 +60,17 @@ def ruler_documents(
     for task in tasks:
         for row in generate_task(task, length_tokens, count_tokens, samples, seed):
             limit = MAX_NEW_TOKENS[task] if max_new_tokens is None else min(max_new_tokens, MAX_NEW_TOKENS[task])
-            docs.append({
-                "doc_id": row["doc_id"], "context": row["context"], "questions": [row["question"]],
-                "question_ids": ["0"], "answer_prefix": row["answer_prefix"], "references": [list(row["reference"])],
-                "max_new_tokens": limit, "task": task, "metric": row["metric"],
-            })
+            docs.append(
+                {
+                    "doc_id": row["doc_id"],
+                    "context": row["context"],
+                    "questions": [row["question"]],
+                    "question_ids": ["0"],
+                    "answer_prefix": row["answer_prefix"],
+                    "references": [list(row["reference"])],
+                    "max_new_tokens": limit,
+                    "task": task,
+                    "metric": row["metric"],
+                }
+            )
     return docs

@@ -45,7 +45,12 @@ def dense_prefill_attention(
         causal = k_idx[None, :] <= q_idx[:, None]
         mask = (causal[None] & key_ok) | (k_idx[None, :] == q_idx[:, None])[None]  # (B, c, n)
         out[:, :, begin : begin + _QUERY_CHUNK] = F.scaled_dot_product_attention(
-            query[:, :, begin : begin + _QUERY_CHUNK], key, value, attn_mask=mask[:, None], scale=scaling, enable_gqa=True
+            query[:, :, begin : begin + _QUERY_CHUNK],
+            key,
+            value,
+            attn_mask=mask[:, None],
+            scale=scaling,
+            enable_gqa=True,
         )
     return out
 

@@ -94,8 +94,14 @@ def run_chunk(model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor
     package are driven). input_ids, positions: (B, T), positions -1 on padding. The model must use the
     registered attention (:func:`pipeline.kv.attention.register`). Returns the model's output."""
     cache.begin_chunk(positions)
-    return model(input_ids=input_ids, position_ids=positions.clamp(min=0), cache=cache, varlen_cache=cache,
-                 use_cache=True, **kwargs)
+    return model(
+        input_ids=input_ids,
+        position_ids=positions.clamp(min=0),
+        cache=cache,
+        varlen_cache=cache,
+        use_cache=True,
+        **kwargs,
+    )
 
 
 class VarLenCache(ChunkCache):
@@ -113,7 +119,7 @@ class VarLenCache(ChunkCache):
         self.cap = DecodeCap(compressor) if compressor.config.max_cache_tokens is not None else None
 
     @classmethod
-    def from_layers(cls, layers: list[VarLenLayer], compressor: Compressor) -> "VarLenCache":
+    def from_layers(cls, layers: list[VarLenLayer], compressor: Compressor) -> VarLenCache:
         """A cache holding already compressed layers (e.g. built by a diagnostic from its own prefill)."""
         cache = cls(len(layers), compressor)
         cache.store = list(layers)
@@ -133,8 +139,9 @@ class VarLenCache(ChunkCache):
             layer.reserve(extra)
 
     # ------------------------------------------------------------------ attention entry point
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float) -> torch.Tensor:
+    def attend(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """Attention for one layer; compresses on the prefill chunk. Returns (B, H_q, T, D)."""
         idx = module.layer_idx
         if self.chunk_pos is None:

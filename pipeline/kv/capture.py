@@ -62,6 +62,7 @@ class CaptureCache(ChunkCache):
             if layer is None:
                 raise RuntimeError(f"layer {idx} was not captured (run the prefill first)")
             cache.chunk_pos = layer.key_pos
-            cache.compress_into(idx, layer.module, layer.observed[index], layer.key, layer.value, layer.key_pos,
-                                layer.scaling)
+            cache.compress_into(
+                idx, layer.module, layer.observed[index], layer.key, layer.value, layer.key_pos, layer.scaling
+            )
         return cache

@@ -93,12 +93,24 @@ class Compressor:
         if not cfg.compresses:
             keep = (key_pos >= 0)[:, None, :].expand(bsz, h_kv, n).clone()
             budget = lengths[:, None].expand(bsz, h_kv).clone()
-            norms = self._all_norms(value, keep, self.projection(layer_idx, module, h_kv, dim)) if self.needs_value_norms else None
+            norms = (
+                self._all_norms(value, keep, self.projection(layer_idx, module, h_kv, dim))
+                if self.needs_value_norms
+                else None
+            )
             return LayerSelection(keep, norms, budget)
         row_b, row_w = row_budgets(lengths, cfg.cache_size, cfg.budget, cfg.window)
         ctx = LayerContext(
-            layer_idx=layer_idx, key=key, value=value, key_pos=key_pos, scaling=scaling, lengths=lengths, row_budget=row_b,
-            row_window=row_w, observed=observed, projection=lambda: self.projection(layer_idx, module, h_kv, dim),
+            layer_idx=layer_idx,
+            key=key,
+            value=value,
+            key_pos=key_pos,
+            scaling=scaling,
+            lengths=lengths,
+            row_budget=row_b,
+            row_window=row_w,
+            observed=observed,
+            projection=lambda: self.projection(layer_idx, module, h_kv, dim),
             head_priors=self.head_priors,
         )
         scores = self.scorer.score(ctx, cfg)

@@ -43,8 +43,10 @@ def parse_method(method: str) -> dict[str, str]:
     for token in prefix:
         kind = "selection" if token in SELECTIONS else "allocation" if token in ALLOCATIONS else None
         if kind is None or parts[kind] != (DEFAULT_SELECTION if kind == "selection" else DEFAULT_ALLOCATION):
-            raise ValueError(f"method {method!r}: {token!r} is not a selection or allocation in {expected} order "
-                             f"(selections: {', '.join(SELECTIONS)}; allocations: {', '.join(ALLOCATIONS)})")
+            raise ValueError(
+                f"method {method!r}: {token!r} is not a selection or allocation in {expected} order "
+                f"(selections: {', '.join(SELECTIONS)}; allocations: {', '.join(ALLOCATIONS)})"
+            )
         if kind == "selection" and parts["allocation"] != DEFAULT_ALLOCATION:
             raise ValueError(f"method {method!r}: the selection comes first ({expected})")
         parts[kind] = token
@@ -69,8 +71,9 @@ def method_names() -> list[str]:
 
 def _part_options() -> tuple[type[BaseModel], ...]:
     """Every registered part's options model, once each, checked for knob names used twice."""
-    models = list(dict.fromkeys(m for reg in (SCORERS, ALLOCATIONS, SELECTIONS) for p in reg.values()
-                                for m in p.option_models()))
+    models = list(
+        dict.fromkeys(m for reg in (SCORERS, ALLOCATIONS, SELECTIONS) for p in reg.values() for m in p.option_models())
+    )
     seen: dict[str, str] = {}
     for model in models:
         for name in model.model_fields:
@@ -85,12 +88,16 @@ class _CompressionCore(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    scorer: str = Field(FULL_CACHE, description=f"base scores per entry: {FULL_CACHE} (keep the full cache) or "
-                        f"one of {', '.join(SCORERS)}")
-    allocation: str = Field(DEFAULT_ALLOCATION, description=f"how many entries each KV head keeps: one of "
-                            f"{', '.join(ALLOCATIONS)}")
-    selection: str = Field(DEFAULT_SELECTION, description=f"which entries fill each head's count: one of "
-                           f"{', '.join(SELECTIONS)}")
+    scorer: str = Field(
+        FULL_CACHE,
+        description=f"base scores per entry: {FULL_CACHE} (keep the full cache) or one of {', '.join(SCORERS)}",
+    )
+    allocation: str = Field(
+        DEFAULT_ALLOCATION, description=f"how many entries each KV head keeps: one of {', '.join(ALLOCATIONS)}"
+    )
+    selection: str = Field(
+        DEFAULT_SELECTION, description=f"which entries fill each head's count: one of {', '.join(SELECTIONS)}"
+    )
     cache_size: float = Field(1.0, gt=0.0, le=1.0, description="kept fraction of each context (0.2 keeps 20%)")
     budget: int | None = Field(None, ge=1, description="kept tokens per KV head (overrides cache_size)")
     window: int = Field(32, ge=1, description="observation window: the last context tokens, always kept")
@@ -119,12 +126,14 @@ class CompressionConfig(_CompressionCore, *_part_options()):
         for name, value in parsed.items():
             given = data.get(name)
             if given is not None and str(given).strip().lower() != value:
-                raise ValueError(f"method {method_name(**parsed)!r} has {name} {value!r}, but {name}={given!r} was given")
+                raise ValueError(
+                    f"method {method_name(**parsed)!r} has {name} {value!r}, but {name}={given!r} was given"
+                )
             data[name] = value
         return data
 
     @model_validator(mode="after")
-    def _consistent(self) -> "CompressionConfig":
+    def _consistent(self) -> CompressionConfig:
         if self.scorer != FULL_CACHE:
             SCORERS[self.scorer]  # noqa: B018 - raises naming the known scorers
         elif (self.allocation, self.selection) != (DEFAULT_ALLOCATION, DEFAULT_SELECTION):
@@ -134,10 +143,13 @@ class CompressionConfig(_CompressionCore, *_part_options()):
         if self.budget is not None and self.compresses and self.budget < self.window:
             raise ValueError(
                 f"budget ({self.budget} tokens per head) is smaller than the observation window "
-                f"({self.window}); the window is always kept and counts inside the budget")
+                f"({self.window}); the window is always kept and counts inside the budget"
+            )
         if self.max_cache_tokens is not None and self.max_cache_tokens <= self.window:
-            raise ValueError(f"max_cache_tokens ({self.max_cache_tokens}) must exceed the window ({self.window}),"
-                             " which is never evicted")
+            raise ValueError(
+                f"max_cache_tokens ({self.max_cache_tokens}) must exceed the window ({self.window}),"
+                " which is never evicted"
+            )
         return self
 
     @computed_field(description="the method's spelling, [selection-][allocation-]scorer or none")
@@ -145,7 +157,7 @@ class CompressionConfig(_CompressionCore, *_part_options()):
     def method(self) -> str:
         return method_name(self.scorer, self.allocation, self.selection)
 
-    def with_method(self, method: str | None = None, **updates) -> "CompressionConfig":
+    def with_method(self, method: str | None = None, **updates) -> CompressionConfig:
         """A validated copy with another method (its spelling) and/or other field values."""
         data = self.model_dump(exclude={"method", *PART_FIELDS} if method is not None else {"method"})
         if method is not None:
@@ -169,8 +181,14 @@ class CompressionConfig(_CompressionCore, *_part_options()):
     @classmethod
     def cli_aliases(cls) -> dict:
         """``--method``: the parts in one word, as the output's ``method`` column spells them."""
-        return {"method": (str, "the method as one word, [selection-][allocation-]scorer (e.g. criticalkv-adakv-"
-                                "snapkv) or none; sets --scorer, --allocation and --selection", parse_method)}
+        return {
+            "method": (
+                str,
+                "the method as one word, [selection-][allocation-]scorer (e.g. criticalkv-adakv-"
+                "snapkv) or none; sets --scorer, --allocation and --selection",
+                parse_method,
+            )
+        }
 
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:

@@ -29,7 +29,9 @@ class DecodeCap:
         layer.value_norm = selection.norms[keep].contiguous()
         layer.acc_attention = torch.zeros_like(layer.value_norm)
 
-    def after_chunk(self, layer_idx: int, layer: VarLenLayer, probs: torch.Tensor, new_values: torch.Tensor | None) -> None:
+    def after_chunk(
+        self, layer_idx: int, layer: VarLenLayer, probs: torch.Tensor, new_values: torch.Tensor | None
+    ) -> None:
         """Accumulate the chunk's attention, give the new entries their norms, evict above the cap.
 
         probs: (B, H_kv, G, T, L) attention of the chunk's T queries over the padded view of

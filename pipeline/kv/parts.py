@@ -50,7 +50,7 @@ class LayerContext:
     row_budget: torch.Tensor
     row_window: torch.Tensor
     observed: object
-    projection: Callable[[], "OutputProjection"]
+    projection: Callable[[], OutputProjection]
     head_priors: torch.Tensor | None = None
 
 
@@ -64,7 +64,7 @@ class Part:
     #: the engine must load per-head priors (HeadKV) and pass them as ``LayerContext.head_priors``
     needs_head_priors: ClassVar[bool] = False
 
-    def check(self, config: "CompressionConfig") -> None:
+    def check(self, config: CompressionConfig) -> None:
         """Raise ``ValueError`` when ``config`` cannot run with this part (default: nothing to check)."""
 
     def option_models(self) -> tuple[type[BaseModel], ...]:
@@ -76,11 +76,11 @@ class Part:
 class Scorer(Part):
     """Base scores of context entries (see the module docstring for the conventions)."""
 
-    def observed_queries(self, config: "CompressionConfig") -> int:
+    def observed_queries(self, config: CompressionConfig) -> int:
         """How many of the last prefill queries :meth:`observe` keeps (0: none)."""
         return 0
 
-    def observe(self, query: torch.Tensor, key_pos: torch.Tensor, config: "CompressionConfig") -> object:
+    def observe(self, query: torch.Tensor, key_pos: torch.Tensor, config: CompressionConfig) -> object:
         """What the scorer needs of the prefill queries, kept while the layer's attention runs.
 
         query: (B, H_q, n, D) post-RoPE. Default: the last :meth:`observed_queries` queries (a
@@ -89,7 +89,7 @@ class Scorer(Part):
         tail = self.observed_queries(config)
         return query[:, :, -tail:] if tail else None
 
-    def score(self, ctx: LayerContext, config: "CompressionConfig") -> torch.Tensor:
+    def score(self, ctx: LayerContext, config: CompressionConfig) -> torch.Tensor:
         """(B, H_kv, n) float32 base scores."""
         raise NotImplementedError
 
@@ -97,7 +97,7 @@ class Scorer(Part):
 class Allocation(Part):
     """Per-head counts (never which entries)."""
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config: "CompressionConfig") -> torch.Tensor:
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config: CompressionConfig) -> torch.Tensor:
         """scores: (B, H_kv, n) base scores -> (B, H_kv) long kept entries per head."""
         raise NotImplementedError
 
@@ -110,8 +110,8 @@ class Selection(Part):
         scores: torch.Tensor,
         head_budget: torch.Tensor,
         ctx: LayerContext,
-        config: "CompressionConfig",
-        stats: "NormStats",
+        config: CompressionConfig,
+        stats: NormStats,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (keep (B, H_kv, n) bool, projected value norms (B, H_kv, n) float32 with NaN
         where not computed, or None when the selection computes none)."""

@@ -76,7 +76,7 @@ class VarLenLayer:
         value: torch.Tensor,
         positions: torch.Tensor,
         keep: torch.Tensor,
-    ) -> "VarLenLayer":
+    ) -> VarLenLayer:
         """Build from dense prefill states.
 
         key, value: (B, H, n, D); positions: (B, n) int, -1 for padding; keep: (B, H, n) bool.
@@ -298,10 +298,16 @@ class VarLenLayer:
         capacity = self.capacity.view(self.num_rows, self.num_heads).sum(-1)
         return capacity * per_entry + self.num_heads * per_segment
 
-    def clone(self) -> "VarLenLayer":
+    def clone(self) -> VarLenLayer:
         copy = VarLenLayer(
-            self.keys.clone(), self.values.clone(), self.positions.clone(), self.start.clone(),
-            self.length.clone(), self.capacity.clone(), self.num_rows, self.num_heads,
+            self.keys.clone(),
+            self.values.clone(),
+            self.positions.clone(),
+            self.start.clone(),
+            self.length.clone(),
+            self.capacity.clone(),
+            self.num_rows,
+            self.num_heads,
         )
         copy.acc_attention = None if self.acc_attention is None else self.acc_attention.clone()
         copy.value_norm = None if self.value_norm is None else self.value_norm.clone()

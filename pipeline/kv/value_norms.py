@@ -39,7 +39,7 @@ class OutputProjection:
     groups: int
 
     @classmethod
-    def from_weight(cls, o_weight: torch.Tensor, num_kv_heads: int, head_dim: int) -> "OutputProjection":
+    def from_weight(cls, o_weight: torch.Tensor, num_kv_heads: int, head_dim: int) -> OutputProjection:
         """o_weight: ``o_proj.weight`` (hidden, H_q * D)."""
         hidden, in_features = o_weight.shape
         num_q = in_features // head_dim

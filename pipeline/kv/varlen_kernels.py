@@ -71,8 +71,12 @@ def choose_kernel(query: torch.Tensor, need_probs: bool) -> str:
 
 
 def sdpa_varlen_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor,
-    query_pos: torch.Tensor, scaling: float,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
     """SDPA over the padded view of the variable-length cache.
 
@@ -88,7 +92,11 @@ def sdpa_varlen_attention(
     kpos = key_pos[:, None, None, :]
     allowed = (kpos >= 0) & (kpos <= qpos)  # (S, 1, T, L)
     out = F.scaled_dot_product_attention(
-        q, keys[:, None].to(q.dtype), values[:, None].to(q.dtype), attn_mask=allowed, scale=scaling,
+        q,
+        keys[:, None].to(q.dtype),
+        values[:, None].to(q.dtype),
+        attn_mask=allowed,
+        scale=scaling,
         enable_gqa=True,
     )
     return out.reshape(bsz, h_q, t, dim)
@@ -122,7 +130,10 @@ def packed_segments(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
 
 
 def flash_varlen_attention(
-    query: torch.Tensor, layer, scaling: float, varlen_fn: Callable | None = None,
+    query: torch.Tensor,
+    layer,
+    scaling: float,
+    varlen_fn: Callable | None = None,
 ) -> torch.Tensor:
     """Attention of T new queries per row over ``layer`` with a flash-attn varlen kernel.
 
@@ -140,6 +151,15 @@ def flash_varlen_attention(
     # (B, H_kv, G, T, D) -> one sequence of T tokens x G heads per segment
     q = query.reshape(segments, groups, t, dim).transpose(1, 2).reshape(segments * t, groups, dim)
     cu_q = torch.arange(0, (segments + 1) * t, t, dtype=torch.int32, device=query.device)
-    out = fn(q.contiguous(), keys.to(query.dtype), values.to(query.dtype), cu_q, cu_k, t, max_k,
-             softmax_scale=scaling, causal=True)
+    out = fn(
+        q.contiguous(),
+        keys.to(query.dtype),
+        values.to(query.dtype),
+        cu_q,
+        cu_k,
+        t,
+        max_k,
+        softmax_scale=scaling,
+        causal=True,
+    )
     return out.reshape(segments, t, groups, dim).transpose(1, 2).reshape(bsz, h_q, t, dim)

@@ -13,10 +13,10 @@ from .build import build_report
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__)
-    p.add_argument("inputs", nargs="+",
-                   help="job output directories or Parquet files (local, or s3:// / gs:// URIs)")
-    p.add_argument("--output", default=None,
-                   help="local directory for report.md and PNGs (default: the first input, when local)")
+    p.add_argument("inputs", nargs="+", help="job output directories or Parquet files (local, or s3:// / gs:// URIs)")
+    p.add_argument(
+        "--output", default=None, help="local directory for report.md and PNGs (default: the first input, when local)"
+    )
     args = p.parse_args(argv)
     for path in args.inputs:
         if not is_uri(path) and not Path(path).exists():

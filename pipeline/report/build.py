@@ -22,10 +22,14 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
     local = [Path(p) for p in inputs if not is_uri(p)]
     perturbation_files = [p / "perturbation.parquet" for p in local if (p / "perturbation.parquet").is_file()]
     perturbation_files += [p for p in local if p.name == "perturbation.parquet"]
-    result_inputs = [p for p in inputs if (is_uri(p) or Path(p).name != "perturbation.parquet") and tables.result_files(p)]
+    result_inputs = [
+        p for p in inputs if (is_uri(p) or Path(p).name != "perturbation.parquet") and tables.result_files(p)
+    ]
     table = tables.read_outputs(result_inputs) if result_inputs else None
-    parts = [f"# Report\n\nGenerated {dt.datetime.now().isoformat(timespec='seconds')} from "
-             f"{', '.join(str(p) for p in inputs)}.\n"]
+    parts = [
+        f"# Report\n\nGenerated {dt.datetime.now().isoformat(timespec='seconds')} from "
+        f"{', '.join(str(p) for p in inputs)}.\n"
+    ]
     if perturbation_files:
         parts += _perturbation_section(perturbation_files, out_dir)
     if table is None:
@@ -60,12 +64,25 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
 def _perturbation_section(files: list[Path], out_dir: Path) -> list[str]:
     table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
     rows = headline(table)
-    cols = ["probe", "method", "base_method", "cache_size", "heads", "fraction_lower", "median_ratio",
-            "mean_perturbation", "base_mean_perturbation", "hidden_deviation", "base_hidden_deviation"]
-    parts = ["## Perturbation: CriticalKV vs its base method\n",
-             "`fraction_lower`: share of (document, layer, KV head) where CriticalKV's measured attention-output "
-             "perturbation ‖(o − ô) W_O‖₁ is lower than its base method's at the same budget.\n",
-             tables.markdown(rows, [c for c in cols if rows and c in rows[0]])]
+    cols = [
+        "probe",
+        "method",
+        "base_method",
+        "cache_size",
+        "heads",
+        "fraction_lower",
+        "median_ratio",
+        "mean_perturbation",
+        "base_mean_perturbation",
+        "hidden_deviation",
+        "base_hidden_deviation",
+    ]
+    parts = [
+        "## Perturbation: CriticalKV vs its base method\n",
+        "`fraction_lower`: share of (document, layer, KV head) where CriticalKV's measured attention-output "
+        "perturbation ‖(o − ô) W_O‖₁ is lower than its base method's at the same budget.\n",
+        tables.markdown(rows, [c for c in cols if rows and c in rows[0]]),
+    ]
     if plots.perturbation_heatmaps(table, out_dir / "perturbation_heatmap.png") is not None:
         parts.append("![perturbation heatmap](perturbation_heatmap.png)\n")
     return parts

@@ -19,8 +19,19 @@ def headline(table: pa.Table) -> list[dict]:
     ``hidden_deviation`` / ``base_hidden_deviation`` (means over documents; None for the window probe).
     """
     cols = table.select(
-        ["doc_id", "query_kind", "probe", "method", "base_method", "criticalkv", "cache_size", "layer", "kv_head",
-         "perturbation", "hidden_deviation"]
+        [
+            "doc_id",
+            "query_kind",
+            "probe",
+            "method",
+            "base_method",
+            "criticalkv",
+            "cache_size",
+            "layer",
+            "kv_head",
+            "perturbation",
+            "hidden_deviation",
+        ]
     ).to_pylist()
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in cols:
@@ -34,31 +45,36 @@ def headline(table: pa.Table) -> list[dict]:
             for key, ms in by_key.items()
             if key[2] == probe and key[3] == cache_size and method in ms and base in ms
         ]
-        if not pairs:
-            continue
-        lower = sum(1 for c, b in pairs if c["perturbation"] < b["perturbation"])
-        equal = sum(1 for c, b in pairs if c["perturbation"] == b["perturbation"])
-        ratios = sorted(c["perturbation"] / b["perturbation"] for c, b in pairs if b["perturbation"] > 0)
-        docs_c = {(c["doc_id"], c["query_kind"]): c["hidden_deviation"] for c, _ in pairs}
-        docs_b = {(b["doc_id"], b["query_kind"]): b["hidden_deviation"] for _, b in pairs}
-        later = probe == "later"
-        out.append(
-            {
-                "probe": probe,
-                "method": method,
-                "base_method": base,
-                "cache_size": cache_size,
-                "heads": len(pairs),
-                "fraction_lower": lower / len(pairs),
-                "fraction_equal": equal / len(pairs),
-                "median_ratio": ratios[len(ratios) // 2] if ratios else math.nan,
-                "mean_perturbation": sum(c["perturbation"] for c, _ in pairs) / len(pairs),
-                "base_mean_perturbation": sum(b["perturbation"] for _, b in pairs) / len(pairs),
-                "hidden_deviation": sum(docs_c.values()) / len(docs_c) if later else None,
-                "base_hidden_deviation": sum(docs_b.values()) / len(docs_b) if later else None,
-            }
-        )
+        if pairs:
+            out.append(
+                {
+                    "probe": probe,
+                    "method": method,
+                    "base_method": base,
+                    "cache_size": cache_size,
+                    **_pair_stats(pairs, later=probe == "later"),
+                }
+            )
     return out
+
+
+def _pair_stats(pairs: list[tuple[dict, dict]], later: bool) -> dict:
+    """Statistics of (criticalkv row, base row) pairs (see :func:`headline`)."""
+    lower = sum(1 for c, b in pairs if c["perturbation"] < b["perturbation"])
+    equal = sum(1 for c, b in pairs if c["perturbation"] == b["perturbation"])
+    ratios = sorted(c["perturbation"] / b["perturbation"] for c, b in pairs if b["perturbation"] > 0)
+    docs_c = {(c["doc_id"], c["query_kind"]): c["hidden_deviation"] for c, _ in pairs}
+    docs_b = {(b["doc_id"], b["query_kind"]): b["hidden_deviation"] for _, b in pairs}
+    return {
+        "heads": len(pairs),
+        "fraction_lower": lower / len(pairs),
+        "fraction_equal": equal / len(pairs),
+        "median_ratio": ratios[len(ratios) // 2] if ratios else math.nan,
+        "mean_perturbation": sum(c["perturbation"] for c, _ in pairs) / len(pairs),
+        "base_mean_perturbation": sum(b["perturbation"] for _, b in pairs) / len(pairs),
+        "hidden_deviation": sum(docs_c.values()) / len(docs_c) if later else None,
+        "base_hidden_deviation": sum(docs_b.values()) / len(docs_b) if later else None,
+    }
 
 
 def format_headline(rows: list[dict]) -> str:

@@ -27,12 +27,19 @@ def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) 
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
-        full = [r[panel] for r in quality_rows if (r["method"] == "none" or r["cache_size"] >= 1.0) and r.get(panel) is not None]
+        full = [
+            r[panel]
+            for r in quality_rows
+            if (r["method"] == "none" or r["cache_size"] >= 1.0) and r.get(panel) is not None
+        ]
         if full:
             ax.axhline(sum(full) / len(full), color="black", linestyle="--", linewidth=1, label="full cache")
         for method in methods:
-            pts = sorted((r["cache_size"], r[panel]) for r in quality_rows
-                         if r["method"] == method and r.get(panel) is not None and r["cache_size"] < 1.0)
+            pts = sorted(
+                (r["cache_size"], r[panel])
+                for r in quality_rows
+                if r["method"] == method and r.get(panel) is not None and r["cache_size"] < 1.0
+            )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[method], label=method)
         ax.set_title(panel)
@@ -41,7 +48,7 @@ def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) 
         ax.set_xlabel("cache size (kept fraction)")
         ax.set_ylabel("score")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
@@ -62,7 +69,11 @@ def compression_loss(loss_rows: list[dict], path: Path) -> Path:
     for j, method in enumerate(methods):
         xs, ys = [], []
         for i, size in enumerate(sizes):
-            hit = [r for r in loss_rows if r["method"] == method and r["cache_size"] == size and r["relative_loss"] is not None]
+            hit = [
+                r
+                for r in loss_rows
+                if r["method"] == method and r["cache_size"] == size and r["relative_loss"] is not None
+            ]
             if hit:
                 xs.append(i + (j - (len(methods) - 1) / 2) * width)
                 ys.append(100.0 * hit[0]["relative_loss"])
@@ -82,13 +93,19 @@ def compression_loss(loss_rows: list[dict], path: Path) -> Path:
 
 def costs(cost_rows: list[dict], path: Path) -> Path:
     """Four panels: TTFT, compression time, decode ms/token, kept KV MiB, per method and cache size."""
-    metrics = [("ttft_s", "TTFT (s)"), ("compress_s", "compression (s)"),
-               ("decode_ms_per_token", "decode (ms/token)"), ("kv_kept_MiB", "kept KV (MiB)")]
+    metrics = [
+        ("ttft_s", "TTFT (s)"),
+        ("compress_s", "compression (s)"),
+        ("decode_ms_per_token", "decode (ms/token)"),
+        ("kv_kept_MiB", "kept KV (MiB)"),
+    ]
     labels = [f"{r['method']}\n@{r['cache_size']:g}" for r in cost_rows]
     colours = _colours(sorted({r["method"] for r in cost_rows}))
     fig, axes = plt.subplots(1, 4, figsize=(max(12, 0.9 * len(labels) * 2), 4))
     for ax, (key, title) in zip(axes, metrics):
-        ax.bar(range(len(labels)), [r.get(key) or 0 for r in cost_rows], color=[colours[r["method"]] for r in cost_rows])
+        ax.bar(
+            range(len(labels)), [r.get(key) or 0 for r in cost_rows], color=[colours[r["method"]] for r in cost_rows]
+        )
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_title(title + " — median")
         ax.grid(axis="y", alpha=0.3)
@@ -103,8 +120,13 @@ def perturbation_heatmaps(table, path: Path, probe: str = "later") -> Path | Non
     """Per (layer, KV head): log2 of CriticalKV's mean perturbation over its base method's
     (blue = CriticalKV perturbs less). One panel per (criticalkv method, cache size)."""
 
-    rows = [r for r in table.select(["probe", "method", "base_method", "criticalkv", "cache_size", "layer", "kv_head",
-                                     "perturbation"]).to_pylist() if r["probe"] == probe]
+    rows = [
+        r
+        for r in table.select(
+            ["probe", "method", "base_method", "criticalkv", "cache_size", "layer", "kv_head", "perturbation"]
+        ).to_pylist()
+        if r["probe"] == probe
+    ]
     sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0])
     for r in rows:
         acc = sums[(r["method"], r["cache_size"], r["layer"], r["kv_head"])]
@@ -116,7 +138,9 @@ def perturbation_heatmaps(table, path: Path, probe: str = "later") -> Path | Non
         return None
     layers = 1 + max(r["layer"] for r in rows)
     heads = 1 + max(r["kv_head"] for r in rows)
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 1.0 * heads * len(panels), 0.18 * layers + 2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(2.2 + 1.0 * heads * len(panels), 0.18 * layers + 2), squeeze=False
+    )
     image = None
     for i, (ax, (method, base, size)) in enumerate(zip(axes.flat, panels)):
         grid = [[float("nan")] * heads for _ in range(layers)]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.data.sources import parquet_files
 from pipeline.data.locations import Location, resolve
+from pipeline.data.sources import parquet_files
 
 FULL = "none"
 
@@ -70,8 +70,16 @@ def overview(table: pa.Table) -> list[dict]:
     out = []
     for (job, model, method), rows in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         failed = [r for r in rows if r.get("error")]
-        out.append({"job": job, "model": model, "method": method, "rows": len(rows), "failed": len(failed),
-                    "first error": (failed[0]["error"][:80] if failed else "")})
+        out.append(
+            {
+                "job": job,
+                "model": model,
+                "method": method,
+                "rows": len(rows),
+                "failed": len(failed),
+                "first error": (failed[0]["error"][:80] if failed else ""),
+            }
+        )
     return out
 
 
@@ -111,8 +119,15 @@ def compression_loss(quality_rows: list[dict]) -> list[dict]:
         if r["cache_size"] >= 1.0 or r["average"] is None:
             continue
         loss = None if not reference else (reference - r["average"]) / reference
-        out.append({"method": r["method"], "cache_size": r["cache_size"], "average": r["average"],
-                    "full_cache": reference, "relative_loss": loss})
+        out.append(
+            {
+                "method": r["method"],
+                "cache_size": r["cache_size"],
+                "average": r["average"],
+                "full_cache": reference,
+                "relative_loss": loss,
+            }
+        )
     return out
 
 
@@ -125,15 +140,19 @@ def costs(table: pa.Table) -> list[dict]:
     out = []
     for (method, size), rows in sorted(groups.items()):
         kept = [r["kv_bytes_kept"] / r["kv_bytes_full"] for r in rows if r.get("kv_bytes_full")]
-        out.append({
-            "method": method, "cache_size": size, "rows": len(rows),
-            "ttft_s": _median([r.get("ttft_s") for r in rows]),
-            "compress_s": _median([r.get("compress_s") for r in rows]),
-            "decode_ms_per_token": _median([r.get("decode_ms_per_token") for r in rows]),
-            "kept_bytes_fraction": _mean(kept),
-            "kv_kept_MiB": _median([(r.get("kv_bytes_kept") or 0) / 2**20 for r in rows]),
-            "peak_memory_MiB": _median([(r.get("peak_memory_bytes") or 0) / 2**20 for r in rows]),
-        })
+        out.append(
+            {
+                "method": method,
+                "cache_size": size,
+                "rows": len(rows),
+                "ttft_s": _median([r.get("ttft_s") for r in rows]),
+                "compress_s": _median([r.get("compress_s") for r in rows]),
+                "decode_ms_per_token": _median([r.get("decode_ms_per_token") for r in rows]),
+                "kept_bytes_fraction": _mean(kept),
+                "kv_kept_MiB": _median([(r.get("kv_bytes_kept") or 0) / 2**20 for r in rows]),
+                "peak_memory_MiB": _median([(r.get("peak_memory_bytes") or 0) / 2**20 for r in rows]),
+            }
+        )
     return out
 
 

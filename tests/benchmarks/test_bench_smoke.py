@@ -13,9 +13,9 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import roofline  # noqa: E402
 import kvpress_common  # noqa: E402
 import kvpress_faithfulness  # noqa: E402
+import roofline  # noqa: E402
 import vs_kvpress  # noqa: E402
 from full_cache_scaling import configs, measure_length  # noqa: E402
 from run_all import has_flag  # noqa: E402
@@ -82,14 +82,18 @@ def test_venv_commands_install_torch_first(tmp_path):
     cmds = kvpress_common.venv_commands(tmp_path / "v", "python3", tmp_path / "c.txt")
     assert cmds[0][1:3] == ["-m", "venv"]
     assert cmds[1][-1] == f"torch=={kvpress_common.TORCH_VERSION}"
-    assert "-c" in cmds[2] and "kvpress==0.5.5" in cmds[2] and "transformers==5.2.0" in cmds[2] and "pandas<3" in cmds[2]
+    assert (
+        "-c" in cmds[2] and "kvpress==0.5.5" in cmds[2] and "transformers==5.2.0" in cmds[2] and "pandas<3" in cmds[2]
+    )
     assert kvpress_common.venv_stamp(tmp_path / "v").name.startswith(".ckv-kvpress-")
 
 
 def test_our_kept_positions_on_tiny_model(tiny):
     n, budget = 160, 70
     ids = torch.randint(0, 250, (1, n))
-    kept = kvpress_faithfulness.our_kept(tiny.model, ids, ["snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv"], budget)
+    kept = kvpress_faithfulness.our_kept(
+        tiny.model, ids, ["snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv"], budget
+    )
     heads = tiny.model.config.num_key_value_heads
     for method in ("snapkv", "criticalkv-snapkv"):
         layers = kept[method]["kept"]

@@ -45,9 +45,13 @@ def test_question_rows_are_grouped_into_documents():
 
 
 def test_same_id_different_context_is_not_merged_and_is_detected():
-    rows = [{"doc_id": "d", "context": "one", "question": "q"}, {"doc_id": "d", "context": "two", "question": "q"},
-            {"doc_id": "e", "context": "x", "question": "q"}, {"doc_id": "e", "context": "y", "question": "q"},
-            {"doc_id": "f", "context": "z", "question": "q"}]
+    rows = [
+        {"doc_id": "d", "context": "one", "question": "q"},
+        {"doc_id": "d", "context": "two", "question": "q"},
+        {"doc_id": "e", "context": "x", "question": "q"},
+        {"doc_id": "e", "context": "y", "question": "q"},
+        {"doc_id": "f", "context": "z", "question": "q"},
+    ]
     out = normalise_batch(_table(rows))
     assert out.num_rows == 5
     with pytest.raises(ValueError, match=r"2 duplicate doc_id\(s\).*'d' \(2 rows\), 'e' \(2 rows\)"):
@@ -56,8 +60,11 @@ def test_same_id_different_context_is_not_merged_and_is_detected():
 
 
 def test_rows_without_ids_group_by_context_hash():
-    rows = [{"context": "same", "question": "q1"}, {"context": "same", "question": "q2"},
-            {"context": "other", "question": "q3"}]
+    rows = [
+        {"context": "same", "question": "q1"},
+        {"context": "same", "question": "q2"},
+        {"context": "other", "question": "q3"},
+    ]
     out = normalise_batch(_table(rows)).to_pylist()
     assert [d["questions"] for d in out] == [["q1", "q2"], ["q3"]]
     assert [d["question_ids"] for d in out] == [["0", "1"], ["0"]]
@@ -73,8 +80,17 @@ def test_bad_rows_carry_input_error_and_good_rows_are_intact():
         {"doc_id": "good2", "context": "More text.", "question": "How?"},
     ]
     out = {d["doc_id"]: d for d in normalise_batch(_table(rows), row_offset=0).to_pylist()}
-    assert out["good"] == {"doc_id": "good", "context": "Fine text.", "questions": ["Why?"], "question_ids": ["0"],
-                           "answer_prefix": "", "references": None, "max_new_tokens": None, "input_error": None, "task": None}
+    assert out["good"] == {
+        "doc_id": "good",
+        "context": "Fine text.",
+        "questions": ["Why?"],
+        "question_ids": ["0"],
+        "answer_prefix": "",
+        "references": None,
+        "max_new_tokens": None,
+        "input_error": None,
+        "task": None,
+    }
     assert out["good2"]["input_error"] is None and out["good2"]["context"] == "More text."
     assert out["null"]["input_error"] == "row 1: context is null or missing" and out["null"]["context"] is None
     assert out["empty"]["input_error"] == "row 2: context is empty"
@@ -104,24 +120,30 @@ def test_list_questions_shape_and_its_errors():
 
 
 def test_duplicate_question_ids_and_conflicting_prefixes_are_row_errors():
-    rows = [{"doc_id": "d", "context": "c", "question": "q1", "question_id": "x", "answer_prefix": "A"},
-            {"doc_id": "d", "context": "c", "question": "q2", "question_id": "x", "answer_prefix": "B"}]
+    rows = [
+        {"doc_id": "d", "context": "c", "question": "q1", "question_id": "x", "answer_prefix": "A"},
+        {"doc_id": "d", "context": "c", "question": "q2", "question_id": "x", "answer_prefix": "B"},
+    ]
     (doc,) = normalise_batch(_table(rows)).to_pylist()
     assert "disagree on answer_prefix: 'A' vs 'B'" in doc["input_error"]
     assert "duplicate question_id(s) 'x'" in doc["input_error"]
 
 
 def test_bad_max_new_tokens_is_a_row_error():
-    rows = [{"doc_id": "d", "context": "c", "question": "q", "max_new_tokens": 0},
-            {"doc_id": "e", "context": "c2", "question": "q", "max_new_tokens": 8}]
+    rows = [
+        {"doc_id": "d", "context": "c", "question": "q", "max_new_tokens": 0},
+        {"doc_id": "e", "context": "c2", "question": "q", "max_new_tokens": 8},
+    ]
     out = normalise_batch(_table(rows)).to_pylist()
     assert out[0]["input_error"] == "max_new_tokens must be a positive integer, got 0"
     assert out[1]["max_new_tokens"] == 8 and out[1]["input_error"] is None
 
 
 def test_normalised_table_is_a_fixed_point_and_record_batches_work():
-    rows = [{"doc_id": "d", "context": "c", "question": "q", "reference": ["r"]},
-            {"doc_id": "e", "context": None, "question": "q"}]
+    rows = [
+        {"doc_id": "d", "context": "c", "question": "q", "reference": ["r"]},
+        {"doc_id": "e", "context": None, "question": "q"},
+    ]
     once = normalise_batch(_table(rows))
     assert once.schema.equals(DOCUMENT_SCHEMA)
     assert normalise_batch(once).equals(once)
@@ -129,16 +151,23 @@ def test_normalised_table_is_a_fixed_point_and_record_batches_work():
 
 
 def test_empty_batch_keeps_the_schema():
-    empty = pa.table({"doc_id": pa.array([], pa.string()), "context": pa.array([], pa.string()),
-                      "question": pa.array([], pa.string())})
+    empty = pa.table(
+        {
+            "doc_id": pa.array([], pa.string()),
+            "context": pa.array([], pa.string()),
+            "question": pa.array([], pa.string()),
+        }
+    )
     out = normalise_batch(empty)
     assert out.num_rows == 0 and out.schema.equals(DOCUMENT_SCHEMA)
 
 
 def test_list_references_must_match_the_questions():
-    rows = [{"doc_id": "a", "context": "c", "questions": ["q1", "q2"], "references": [["x"], ["y"], ["z"]]},
-            {"doc_id": "b", "context": "c", "questions": ["q1", "q2"], "references": ["x", "y"]},
-            {"doc_id": "c", "context": "c", "questions": ["q1"], "references": ["x", "y"]}]
+    rows = [
+        {"doc_id": "a", "context": "c", "questions": ["q1", "q2"], "references": [["x"], ["y"], ["z"]]},
+        {"doc_id": "b", "context": "c", "questions": ["q1", "q2"], "references": ["x", "y"]},
+        {"doc_id": "c", "context": "c", "questions": ["q1"], "references": ["x", "y"]},
+    ]
     out = [normalise_batch(_table([row])).to_pylist()[0] for row in rows]  # differently typed columns
     assert out[0]["input_error"] == "references must hold one entry per question (2), got a list of 3"
     assert out[1]["references"] == [["x"], ["y"]] and out[1]["input_error"] is None
@@ -154,7 +183,8 @@ def test_normalise_batch_inside_ray_map_batches():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         ds = ray.data.from_arrow(pa.Table.from_pylist(question_rows(docs))).map_batches(
-            normalise_batch, fn_kwargs={"mapping": ColumnMapping()}, batch_format="pyarrow", batch_size=100)
+            normalise_batch, fn_kwargs={"mapping": ColumnMapping()}, batch_format="pyarrow", batch_size=100
+        )
         out = pa.concat_tables(ray.get(ds.to_arrow_refs()))
     finally:
         ray.shutdown()

@@ -17,14 +17,33 @@ from pipeline.data import (
 from pipeline.engine.types import Answer
 
 EXPECTED = {
-    "doc_id": pa.string(), "question_id": pa.string(), "run_id": pa.string(), "job": pa.string(), "task": pa.string(),
-    "model": pa.string(), "method": pa.string(), "cache_size": pa.float64(), "budget": pa.int64(),
-    "prediction": pa.string(), "reference": pa.list_(pa.string()), "score": pa.float64(),
-    "context_tokens": pa.int64(), "question_tokens": pa.int64(), "generated_tokens": pa.int64(),
-    "truncated_tokens": pa.int64(), "kv_entries_full": pa.int64(), "kv_entries_kept": pa.int64(),
-    "kv_bytes_full": pa.int64(), "kv_bytes_kept": pa.int64(), "ttft_s": pa.float64(),
-    "compress_s": pa.float64(), "decode_s": pa.float64(), "decode_ms_per_token": pa.float64(),
-    "peak_memory_bytes": pa.int64(), "device": pa.string(), "error": pa.string(),
+    "doc_id": pa.string(),
+    "question_id": pa.string(),
+    "run_id": pa.string(),
+    "job": pa.string(),
+    "task": pa.string(),
+    "model": pa.string(),
+    "method": pa.string(),
+    "cache_size": pa.float64(),
+    "budget": pa.int64(),
+    "prediction": pa.string(),
+    "reference": pa.list_(pa.string()),
+    "score": pa.float64(),
+    "context_tokens": pa.int64(),
+    "question_tokens": pa.int64(),
+    "generated_tokens": pa.int64(),
+    "truncated_tokens": pa.int64(),
+    "kv_entries_full": pa.int64(),
+    "kv_entries_kept": pa.int64(),
+    "kv_bytes_full": pa.int64(),
+    "kv_bytes_kept": pa.int64(),
+    "ttft_s": pa.float64(),
+    "compress_s": pa.float64(),
+    "decode_s": pa.float64(),
+    "decode_ms_per_token": pa.float64(),
+    "peak_memory_bytes": pa.int64(),
+    "device": pa.string(),
+    "error": pa.string(),
 }
 
 
@@ -39,12 +58,33 @@ def test_schema_has_exactly_the_contract_columns_and_version():
 
 
 def test_round_trip_through_parquet_keeps_types_values_and_version(tmp_path):
-    answer = Answer(doc_id="d1", question_id="0", prediction="1234567", context_tokens=900,
-                    question_tokens=20, generated_tokens=5, kv_entries_full=100, kv_entries_kept=20,
-                    kv_bytes_full=4096, kv_bytes_kept=820, ttft_s=0.5, compress_s=0.01, decode_s=0.2,
-                    decode_ms_per_token=40.0, peak_memory_bytes=10**9, device="cpu")
-    row = answer.as_row() | {"run_id": "r", "job": "qa", "model": "m", "method": "criticalkv-snapkv",
-                             "cache_size": 0.2, "reference": ["1234567"], "score": 1.0}
+    answer = Answer(
+        doc_id="d1",
+        question_id="0",
+        prediction="1234567",
+        context_tokens=900,
+        question_tokens=20,
+        generated_tokens=5,
+        kv_entries_full=100,
+        kv_entries_kept=20,
+        kv_bytes_full=4096,
+        kv_bytes_kept=820,
+        ttft_s=0.5,
+        compress_s=0.01,
+        decode_s=0.2,
+        decode_ms_per_token=40.0,
+        peak_memory_bytes=10**9,
+        device="cpu",
+    )
+    row = answer.as_row() | {
+        "run_id": "r",
+        "job": "qa",
+        "model": "m",
+        "method": "criticalkv-snapkv",
+        "cache_size": 0.2,
+        "reference": ["1234567"],
+        "score": 1.0,
+    }
     failed = {"doc_id": "d2", "question_id": "0", "error": "ValueError: boom", "budget": np.int64(128)}
     table = rows_to_table([row, failed])
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=True)
@@ -60,8 +100,18 @@ def test_round_trip_through_parquet_keeps_types_values_and_version(tmp_path):
 
 
 def test_casts_numbers_and_single_reference_string():
-    table = rows_to_table([{"doc_id": "d", "question_id": "q", "cache_size": 1, "context_tokens": 3.0,
-                            "reference": "abc", "ttft_s": np.float32(0.25)}])
+    table = rows_to_table(
+        [
+            {
+                "doc_id": "d",
+                "question_id": "q",
+                "cache_size": 1,
+                "context_tokens": 3.0,
+                "reference": "abc",
+                "ttft_s": np.float32(0.25),
+            }
+        ]
+    )
     row = table.to_pylist()[0]
     assert row["cache_size"] == 1.0 and row["context_tokens"] == 3 and row["reference"] == ["abc"]
     assert row["ttft_s"] == 0.25

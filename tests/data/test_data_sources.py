@@ -44,8 +44,14 @@ def test_empty_directory_is_a_clear_error(tmp_path):
 
 def test_jsonl_with_invalid_utf8_and_invalid_json_lines(tmp_path):
     path = tmp_path / "in.jsonl"
-    lines = [json.dumps(ROWS[0]).encode(), b'{"doc_id": "x", "context": "caf\xe9", "question": "q"}',
-             b"", b'{"doc_id": "y", "context": ', b"[1, 2]", json.dumps(ROWS[1]).encode()]
+    lines = [
+        json.dumps(ROWS[0]).encode(),
+        b'{"doc_id": "x", "context": "caf\xe9", "question": "q"}',
+        b"",
+        b'{"doc_id": "y", "context": ',
+        b"[1, 2]",
+        json.dumps(ROWS[1]).encode(),
+    ]
     path.write_bytes(b"\n".join(lines) + b"\n")
     table = read_documents(path)
     rows = table.to_pylist()
@@ -64,8 +70,10 @@ def test_jsonl_with_invalid_utf8_and_invalid_json_lines(tmp_path):
 
 def test_jsonl_type_clash_in_a_used_field_flags_only_that_line(tmp_path):
     path = tmp_path / "in.jsonl"
-    rows = ROWS + [{"doc_id": "c", "context": 12345, "question": "q", "note": [1]},
-                   {"doc_id": "d", "context": "Delta.", "question": "q", "note": "text"}]
+    rows = ROWS + [
+        {"doc_id": "c", "context": 12345, "question": "q", "note": [1]},
+        {"doc_id": "d", "context": "Delta.", "question": "q", "note": "text"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     table = read_documents(path).to_pylist()
     assert table[2]["input_error"] == "line 3: field 'context' is a number, expected a string like the other lines"
@@ -76,8 +84,9 @@ def test_jsonl_type_clash_in_a_used_field_flags_only_that_line(tmp_path):
 def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))
     assert read_documents(tmp_path / "ds").column("doc_id").to_pylist() == ["a", "b"]
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:1]),
-                               "test": datasets.Dataset.from_list(ROWS[1:])})
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[:1]), "test": datasets.Dataset.from_list(ROWS[1:])}
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     assert read_documents(tmp_path / "dd").column("doc_id").to_pylist() == ["a"]
     assert read_documents(tmp_path / "dd", split="test").column("doc_id").to_pylist() == ["b"]
@@ -128,32 +137,54 @@ def test_missing_ids_get_stable_content_hash(tmp_path):
 
 
 def test_mapping_renames_columns(tmp_path):
-    rows = [{"id": 7, "text": "Some text.", "q": "Why?", "gold": ["x", "y"], "prefix": "Because",
-             "qid": "why", "limit": 12}]
+    rows = [
+        {"id": 7, "text": "Some text.", "q": "Why?", "gold": ["x", "y"], "prefix": "Because", "qid": "why", "limit": 12}
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
-    mapping = ColumnMapping(id="id", context="text", question="q", reference="gold",
-                            answer_prefix="prefix", question_id="qid", max_new_tokens="limit")
+    mapping = ColumnMapping(
+        id="id",
+        context="text",
+        question="q",
+        reference="gold",
+        answer_prefix="prefix",
+        question_id="qid",
+        max_new_tokens="limit",
+    )
     row = read_documents(tmp_path / "in.parquet", mapping).to_pylist()[0]
-    assert row == {"doc_id": "7", "context": "Some text.", "questions": ["Why?"], "question_ids": ["why"],
-                   "answer_prefix": "Because", "references": [["x", "y"]], "max_new_tokens": 12,
-                   "input_error": None, "task": None}
+    assert row == {
+        "doc_id": "7",
+        "context": "Some text.",
+        "questions": ["Why?"],
+        "question_ids": ["why"],
+        "answer_prefix": "Because",
+        "references": [["x", "y"]],
+        "max_new_tokens": 12,
+        "input_error": None,
+        "task": None,
+    }
 
 
 def test_jsonl_content_errors_name_the_line_and_odd_lines_do_not_crash(tmp_path):
     path = tmp_path / "in.jsonl"
-    path.write_bytes(b"\n".join([
-        json.dumps(ROWS[0]).encode(),
-        b"",
-        b'{"doc_id": "q", "context": "text", "question": null}',
-        b'{"doc_id": "s", "context": "bad \\ud800 escape", "question": "q"}',
-        b"null",
-    ]))
+    path.write_bytes(
+        b"\n".join(
+            [
+                json.dumps(ROWS[0]).encode(),
+                b"",
+                b'{"doc_id": "q", "context": "text", "question": null}',
+                b'{"doc_id": "s", "context": "bad \\ud800 escape", "question": "q"}',
+                b"null",
+            ]
+        )
+    )
     rows = {r["doc_id"]: r for r in read_documents(path).to_pylist()}
     assert rows["a"]["input_error"] is None
     assert rows["q"]["input_error"] == "line 3: question is null or missing" and rows["q"]["context"] == "text"
     errors = sorted(r["input_error"] for r in rows.values() if r["input_error"] and r["doc_id"] != "q")
-    assert errors == ["line 4: invalid Unicode (a lone surrogate \\u escape)",
-                      "line 5: expected a JSON object, got a null"]
+    assert errors == [
+        "line 4: invalid Unicode (a lone surrogate \\u escape)",
+        "line 5: expected a JSON object, got a null",
+    ]
 
 
 def test_json_array_file_and_all_lines_broken(tmp_path):

@@ -31,8 +31,15 @@ def local_ray():
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
     faults_file = Path(temp_dir) / "faults.json"
     env = {"PYTHONPATH": str(ROOT), **fault_hook.environment(faults_file)}
-    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, _temp_dir=temp_dir,
-             runtime_env={"env_vars": env}, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        num_gpus=1,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        runtime_env={"env_vars": env},
+        log_to_driver=False,
+    )
     ray.faults_file = faults_file
     try:
         yield ray
@@ -51,9 +58,14 @@ def faults(local_ray):
 def tiny_config(output, **overrides) -> JobConfig:
     """A JobConfig running the tiny Llama with CriticalKV at 50 % on one 1-CPU actor."""
     settings = dict(
-        output=str(output), model={"name": "tiny-llama"}, engine_factory=TINY_FACTORY,
+        output=str(output),
+        model={"name": "tiny-llama"},
+        engine_factory=TINY_FACTORY,
         compression={"method": "criticalkv-snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
-        generation={"max_new_tokens": 3}, cpus_per_actor=1, rows_per_file=2, sample_words=60,
+        generation={"max_new_tokens": 3},
+        cpus_per_actor=1,
+        rows_per_file=2,
+        sample_words=60,
     )
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(settings.get(key), dict):

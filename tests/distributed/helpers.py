@@ -3,10 +3,9 @@
 The model name picks a tiny random architecture built in code: ``tiny-llama``, ``tiny-qwen2``, ...
 """
 
-from pipeline.kv.config import CompressionConfig
-
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
+from pipeline.kv.config import CompressionConfig
 from tests.tiny import ARCHS, tiny_loaded
 
 

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from pipeline.distributed import JobConfigError, run_job
 from pipeline.apps.batch_jobs import config_from_args
+from pipeline.distributed import JobConfigError, run_job
 from pipeline.distributed.config import JobConfig
 from tests.distributed.conftest import ROOT, tiny_config
 
@@ -63,10 +63,25 @@ def test_foreign_non_empty_output_directory_is_refused(tmp_path):
 
 def test_yaml_then_flags_layering(tmp_path):
     path = tmp_path / "job.yaml"
-    path.write_text("compression: {method: snapkv, cache_size: 0.3, window: 8}\nmodel: {name: tiny-llama}\n"
-                    "max_actors: 3\ncolumns: {context: text}\n")
-    config = config_from_args("longdoc_qa", ["--config", str(path), "--cache-size", "0.2", "--num-actors", "2",
-                                             "--output", str(tmp_path / "o"), "--question-column", "q"])
+    path.write_text(
+        "compression: {method: snapkv, cache_size: 0.3, window: 8}\nmodel: {name: tiny-llama}\n"
+        "max_actors: 3\ncolumns: {context: text}\n"
+    )
+    config = config_from_args(
+        "longdoc_qa",
+        [
+            "--config",
+            str(path),
+            "--cache-size",
+            "0.2",
+            "--num-actors",
+            "2",
+            "--output",
+            str(tmp_path / "o"),
+            "--question-column",
+            "q",
+        ],
+    )
     assert config.compression.method == "snapkv" and config.compression.cache_size == 0.2
     assert config.compression.window == 8 and config.model.name == "tiny-llama"
     assert (config.min_actors, config.max_actors) == (2, 2)
@@ -87,8 +102,7 @@ def test_job_defaults_and_fresh_output_dir():
 
 
 def test_method_parts_and_spelling_are_one_setting(tmp_path):
-    by_parts = config_from_args("longdoc_qa", ["--scorer", "snapkv", "--allocation", "headkv",
-                                               "--selection", "topk"])
+    by_parts = config_from_args("longdoc_qa", ["--scorer", "snapkv", "--allocation", "headkv", "--selection", "topk"])
     by_name = config_from_args("longdoc_qa", ["--method", "headkv-snapkv"])
     assert by_parts.compression == by_name.compression and by_name.compression.method == "headkv-snapkv"
     path = tmp_path / "job.yaml"
@@ -129,9 +143,20 @@ def test_cli_reports_bad_values_with_exit_code_2(tmp_path, capsys):
 def test_cli_subprocess_unknown_column_names_the_field(tmp_path):
     pq.write_table(pa.table({"doc_id": ["a"], "context": ["t"]}), tmp_path / "in.parquet")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "longdoc_qa.py"), "--input", str(tmp_path / "in.parquet"),
-         "--output", str(tmp_path / "out"), "--question-column", "prompt"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            str(ROOT / "jobs" / "longdoc_qa.py"),
+            "--input",
+            str(tmp_path / "in.parquet"),
+            "--output",
+            str(tmp_path / "out"),
+            "--question-column",
+            "prompt",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "invalid columns" in proc.stderr and "question='prompt'" in proc.stderr, proc.stderr[-2000:]
@@ -143,11 +168,18 @@ def test_summarize_instruction_replaces_questions(tmp_path):
 
     rows = [{"doc_id": "a", "text": "Report one.", "summary": "ref"}, {"doc_id": "b", "text": "Report two."}]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    config = JobConfig(job="summarize", output=tmp_path / "o", input=str(tmp_path / "in.jsonl"),
-                       instruction="Summarise.", columns={"context": "text", "reference": "summary"})
+    config = JobConfig(
+        job="summarize",
+        output=tmp_path / "o",
+        input=str(tmp_path / "in.jsonl"),
+        instruction="Summarise.",
+        columns={"context": "text", "reference": "summary"},
+    )
     docs = load_documents(config).to_pylist()
     assert [(d["doc_id"], d["questions"], d["question_ids"]) for d in docs] == [
-        ("a", ["Summarise."], ["0"]), ("b", ["Summarise."], ["0"])]
+        ("a", ["Summarise."], ["0"]),
+        ("b", ["Summarise."], ["0"]),
+    ]
     assert docs[0]["references"] == [["ref"]] and docs[0]["input_error"] is None
 
 

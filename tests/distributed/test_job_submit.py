@@ -89,13 +89,29 @@ def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rh-", dir="/tmp")
     gcs, dashboard, client, agent_grpc, agent_http, metrics, runtime_env = _free_ports(7)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",  # the job's `python` is the head's
-               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dashboard}",
-           "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--ray-client-server-port={client}",
-           f"--dashboard-agent-grpc-port={agent_grpc}", f"--dashboard-agent-listen-port={agent_http}",
-           f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
-           "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    env.update(
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",  # the job's `python` is the head's
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
+    )
+    cmd = [
+        str(VENV_BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        f"--port={gcs}",
+        f"--dashboard-port={dashboard}",
+        "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true",
+        f"--ray-client-server-port={client}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--dashboard-agent-listen-port={agent_http}",
+        f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime_env}",
+        "--num-cpus=2",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
     log = open(Path(temp_dir) / "ray-start.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -108,16 +124,48 @@ def ray_head():
 
 
 def _submit(head, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [str(VENV_BIN / "ray"), "job", "submit", "--address", head["address"], "--working-dir", str(ROOT),
-           "--", "python", "jobs/longdoc_qa.py", *args]
+    cmd = [
+        str(VENV_BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        head["address"],
+        "--working-dir",
+        str(ROOT),
+        "--",
+        "python",
+        "jobs/longdoc_qa.py",
+        *args,
+    ]
     return subprocess.run(cmd, env=head["env"], capture_output=True, text=True, timeout=timeout)
 
 
 def test_ray_job_submit_writes_parquet_with_token_auth(ray_head, tmp_path):
     out = tmp_path / "out"
-    args = ["--output", str(out), "--model", "tiny-llama", "--engine-factory", TINY_FACTORY,
-            "--method", "snapkv", "--cache-size", "0.5", "--window", "4", "--kernel", "3",
-            "--sample-docs", "3", "--sample-words", "60", "--max-new-tokens", "3", "--cpus-per-actor", "1"]
+    args = [
+        "--output",
+        str(out),
+        "--model",
+        "tiny-llama",
+        "--engine-factory",
+        TINY_FACTORY,
+        "--method",
+        "snapkv",
+        "--cache-size",
+        "0.5",
+        "--window",
+        "4",
+        "--kernel",
+        "3",
+        "--sample-docs",
+        "3",
+        "--sample-words",
+        "60",
+        "--max-new-tokens",
+        "3",
+        "--cpus-per-actor",
+        "1",
+    ]
     proc = _submit(ray_head, args)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "succeeded" in proc.stdout and "rows ok / failed" in proc.stdout
@@ -132,5 +180,9 @@ def test_ray_job_submit_writes_parquet_with_token_auth(ray_head, tmp_path):
     # without the token the head refuses the submission (authentication stayed on)
     refused = subprocess.run(
         [str(VENV_BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--", "python", "-c", "print(1)"],
-        env={**ray_head["env"], "RAY_AUTH_TOKEN": "0" * 64}, capture_output=True, text=True, timeout=120)
+        env={**ray_head["env"], "RAY_AUTH_TOKEN": "0" * 64},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode != 0 and "uthentication" in (refused.stdout + refused.stderr)

@@ -21,9 +21,9 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.data import read_table, rows_to_table, write_documents
+from pipeline.data.locations import StorageError, is_uri, resolve, s3_options
 from pipeline.distributed import JobConfigError, run_job, sink
 from pipeline.report.tables import read_outputs
-from pipeline.data.locations import StorageError, is_uri, resolve, s3_options
 from tests.distributed.conftest import ROOT, small_docs, tiny_config
 
 BUCKET = "criticalkv-test"
@@ -52,20 +52,31 @@ def test_object_store_uris_are_canonicalised_without_network():
 def test_s3_region_and_endpoint_come_from_the_aws_variables():
     assert s3_options({}) == {}
     assert s3_options({"AWS_DEFAULT_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://minio:9000"}) == {
-        "region": "eu-west-1", "scheme": "http", "endpoint_override": "minio:9000"}
-    assert s3_options({"AWS_REGION": "us-west-2", "AWS_DEFAULT_REGION": "eu-west-1",
-                       "AWS_ENDPOINT_URL_S3": "https://s3.example.com/", "AWS_ENDPOINT_URL": "http://x"}) == {
-        "region": "us-west-2", "scheme": "https", "endpoint_override": "s3.example.com"}
+        "region": "eu-west-1",
+        "scheme": "http",
+        "endpoint_override": "minio:9000",
+    }
+    assert s3_options(
+        {
+            "AWS_REGION": "us-west-2",
+            "AWS_DEFAULT_REGION": "eu-west-1",
+            "AWS_ENDPOINT_URL_S3": "https://s3.example.com/",
+            "AWS_ENDPOINT_URL": "http://x",
+        }
+    ) == {"region": "us-west-2", "scheme": "https", "endpoint_override": "s3.example.com"}
     with pytest.raises(StorageError, match="AWS_ENDPOINT_URL='minio:9000'"):
         s3_options({"AWS_ENDPOINT_URL": "minio:9000"})
 
 
-@pytest.mark.parametrize("uri, message", [
-    ("ftp://host/x", "unsupported URI scheme 'ftp'"),
-    ("s3://", "no bucket"),
-    ("s3://bucket/x?endpoint_override=y", "query strings are not supported"),
-    ("file://relative/x", "absolute path"),
-])
+@pytest.mark.parametrize(
+    "uri, message",
+    [
+        ("ftp://host/x", "unsupported URI scheme 'ftp'"),
+        ("s3://", "no bucket"),
+        ("s3://bucket/x?endpoint_override=y", "query strings are not supported"),
+        ("file://relative/x", "absolute path"),
+    ],
+)
 def test_bad_uris_are_refused_with_the_reason(uri, message):
     with pytest.raises(StorageError, match=message):
         resolve(uri)
@@ -95,8 +106,13 @@ def s3_env():
     port = _free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -118,8 +134,14 @@ def s3_ray(s3_env):
     if ray.is_initialized():
         ray.shutdown()
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **s3_env}})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **s3_env}},
+    )
     try:
         yield ray
     finally:
@@ -216,7 +238,8 @@ def test_job_normalising_in_ray_reads_an_s3_prefix(s3_ray, tmp_path):
     result = run_job(config, echo=False)
     assert result.extra["normalise"] == "ray"
     assert _keys(sink.read_committed(result.data_dir)) == Counter(
-        (d["doc_id"], q) for d in docs for q in d["question_ids"])
+        (d["doc_id"], q) for d in docs for q in d["question_ids"]
+    )
 
 
 def test_missing_bucket_and_missing_input_fail_before_ray_naming_the_field(s3_env, tmp_path):

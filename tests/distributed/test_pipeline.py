@@ -61,7 +61,8 @@ def test_every_question_exactly_once_with_schema_types(first_run):
     assert all(r["error"] is None for r in rows), [r["error"] for r in rows if r["error"]]
     assert {r["run_id"] for r in rows} == {result.run_id}
     assert {(r["job"], r["model"], r["method"], r["cache_size"], r["budget"]) for r in rows} == {
-        ("longdoc_qa", "tiny-llama", "criticalkv-snapkv", 0.5, None)}
+        ("longdoc_qa", "tiny-llama", "criticalkv-snapkv", 0.5, None)
+    }
     by_key = {(d["doc_id"], q): d["references"][i] for d in docs for i, q in enumerate(d["question_ids"])}
     for r in rows:
         assert r["reference"] == by_key[(r["doc_id"], r["question_id"])]
@@ -152,7 +153,8 @@ def test_bad_rows_mixed_with_good_rows(local_ray, faults, tmp_path):
         json.dumps({"doc_id": "number", "context": 42, "questions": ["q?"]}),
         json.dumps({"doc_id": "noquestion", "context": "some text", "questions": [None]}),
         '{"doc_id": "broken", "context": ',
-        json.dumps(good[2]), json.dumps(good[3]),
+        json.dumps(good[2]),
+        json.dumps(good[3]),
     ]
     path.write_text("\n".join(lines) + "\n")
     boom = good[3]["doc_id"]  # an unexpected exception inside the actor for this document
@@ -183,10 +185,19 @@ def _normalised_in_ray_with_one_document_done(tmp_path, one_question_per_row: bo
     # an earlier run (same configuration) already committed the first document
     done = docs[0]
     (tmp_path / "out" / "data").mkdir(parents=True)
-    sink.commit_table(rows_to_table([{"doc_id": done["doc_id"], "question_id": q, "run_id": "earlier",
-                                      "prediction": "x"} for q in done["question_ids"]]), tmp_path / "out" / "data", "earlier")
-    (tmp_path / "out" / "manifest.json").write_text(json.dumps(
-        {"schema_version": 1, "identity": config.identity(), "runs": []}))
+    sink.commit_table(
+        rows_to_table(
+            [
+                {"doc_id": done["doc_id"], "question_id": q, "run_id": "earlier", "prediction": "x"}
+                for q in done["question_ids"]
+            ]
+        ),
+        tmp_path / "out" / "data",
+        "earlier",
+    )
+    (tmp_path / "out" / "manifest.json").write_text(
+        json.dumps({"schema_version": 1, "identity": config.identity(), "runs": []})
+    )
     result = run_job(config, echo=False)
     assert result.extra["normalise"] == "ray" and result.missing_rows is None
     table = _read(result.data_dir)

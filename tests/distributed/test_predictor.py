@@ -14,14 +14,23 @@ from pipeline.kv.config import CompressionConfig
 from tests.distributed.conftest import TINY_FACTORY, small_docs
 from tests.faults import Faults, InjectedFault
 
-JOB_FIELDS = {"run_id": "r1", "job": "longdoc_qa", "model": "tiny-llama", "method": "snapkv",
-              "cache_size": 0.5, "budget": None}
+JOB_FIELDS = {
+    "run_id": "r1",
+    "job": "longdoc_qa",
+    "model": "tiny-llama",
+    "method": "snapkv",
+    "cache_size": 0.5,
+    "budget": None,
+}
 
 
 def _predictor(**generation):
     return Predictor(
-        model={"name": "tiny-llama"}, compression={"method": "snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
-        generation={"max_new_tokens": 2, **generation}, job_fields=JOB_FIELDS, engine_factory=TINY_FACTORY,
+        model={"name": "tiny-llama"},
+        compression={"method": "snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
+        generation={"max_new_tokens": 2, **generation},
+        job_fields=JOB_FIELDS,
+        engine_factory=TINY_FACTORY,
     )
 
 
@@ -54,15 +63,31 @@ def test_one_row_per_question_with_identity_columns(predictor):
 
 
 def test_input_errors_become_error_rows_without_generation(predictor):
-    raw = pa.Table.from_pylist([
-        {"doc_id": "ok", "context": "A short text about a harbour.", "question": "What?"},
-        {"doc_id": "bad", "context": "", "question": "What?"},
-    ])
+    raw = pa.Table.from_pylist(
+        [
+            {"doc_id": "ok", "context": "A short text about a harbour.", "question": "What?"},
+            {"doc_id": "bad", "context": "", "question": "What?"},
+        ]
+    )
     docs = normalise_batch(raw).to_pylist() + [
-        {"doc_id": "mismatch", "context": "text", "questions": ["a", "b"], "question_ids": ["0", "1"],
-         "answer_prefix": "", "references": None, "max_new_tokens": None, "input_error": "line 3: broken"}]
+        {
+            "doc_id": "mismatch",
+            "context": "text",
+            "questions": ["a", "b"],
+            "question_ids": ["0", "1"],
+            "answer_prefix": "",
+            "references": None,
+            "max_new_tokens": None,
+            "input_error": "line 3: broken",
+        }
+    ]
     out = predictor(_batch(docs)).to_pylist()
-    assert [(r["doc_id"], r["question_id"]) for r in out] == [("ok", "0"), ("bad", "0"), ("mismatch", "0"), ("mismatch", "1")]
+    assert [(r["doc_id"], r["question_id"]) for r in out] == [
+        ("ok", "0"),
+        ("bad", "0"),
+        ("mismatch", "0"),
+        ("mismatch", "1"),
+    ]
     assert out[0]["error"] is None
     assert "context is empty" in out[1]["error"] and out[1]["prediction"] is None
     assert out[2]["error"] == out[3]["error"] == "line 3: broken"
@@ -118,9 +143,13 @@ def test_sweep_rows_per_setting_with_task_and_score():
         doc["task"] = "niah_single_1"
         doc["references"] = [["zzz-not-there"] for _ in doc["questions"]]
     predictor = Predictor(
-        model={"name": "tiny-llama"}, compression=settings[0].model_dump(mode="json"),
-        generation={"max_new_tokens": 2, "batch_size": 2}, job_fields={**JOB_FIELDS, "job": "eval_compression"},
-        engine_factory=TINY_FACTORY, sweep=[s.model_dump(mode="json") for s in settings], score=score_answer,
+        model={"name": "tiny-llama"},
+        compression=settings[0].model_dump(mode="json"),
+        generation={"max_new_tokens": 2, "batch_size": 2},
+        job_fields={**JOB_FIELDS, "job": "eval_compression"},
+        engine_factory=TINY_FACTORY,
+        sweep=[s.model_dump(mode="json") for s in settings],
+        score=score_answer,
     )
     out = predictor(_batch(base)).to_pylist()
     assert len(out) == sum(len(d["questions"]) for d in base) * len(settings)
@@ -138,9 +167,14 @@ def test_oom_rows_are_recorded_or_retried_smaller(faults):
     docs[0]["doc_id"] = "d0"
 
     def run(retry):
-        p = Predictor(model={"name": "tiny-llama"}, compression={"method": "snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
-                      generation={"max_new_tokens": 2, "batch_size": 3}, job_fields=JOB_FIELDS, engine_factory=TINY_FACTORY,
-                      oom_retry_cache_size=retry)
+        p = Predictor(
+            model={"name": "tiny-llama"},
+            compression={"method": "snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
+            generation={"max_new_tokens": 2, "batch_size": 3},
+            job_fields=JOB_FIELDS,
+            engine_factory=TINY_FACTORY,
+            oom_retry_cache_size=retry,
+        )
         return p(_batch(docs)).to_pylist()
 
     plain = run(None)

@@ -13,9 +13,24 @@ from pipeline.distributed.summary import format_summary, summarize
 
 
 def _rows(*keys, error=None, run="r"):
-    return rows_to_table([{"doc_id": d, "question_id": q, "run_id": run, "error": error, "prediction": "x",
-                           "kv_bytes_full": 100, "kv_bytes_kept": 40, "context_tokens": 10, "question_tokens": 2,
-                           "generated_tokens": 3, "ttft_s": 0.1} for d, q in keys])
+    return rows_to_table(
+        [
+            {
+                "doc_id": d,
+                "question_id": q,
+                "run_id": run,
+                "error": error,
+                "prediction": "x",
+                "kv_bytes_full": 100,
+                "kv_bytes_kept": 40,
+                "context_tokens": 10,
+                "question_tokens": 2,
+                "generated_tokens": 3,
+                "ttft_s": 0.1,
+            }
+            for d, q in keys
+        ]
+    )
 
 
 def _bump_mtime(path, seconds):
@@ -69,8 +84,15 @@ def test_summary_counts_each_cache_once():
     aware = summarize(table, wall_s=2.0, query_aware=True)
     assert aware.kv_bytes_full == 300
     text = format_summary(s)
-    for label in ("rows ok / failed", "TTFT mean / p95", "mean kept KV fraction", "KV bytes saved",
-                  "tokens/s", "wall time", "output"):
+    for label in (
+        "rows ok / failed",
+        "TTFT mean / p95",
+        "mean kept KV fraction",
+        "KV bytes saved",
+        "tokens/s",
+        "wall time",
+        "output",
+    ):
         assert label in text
 
 

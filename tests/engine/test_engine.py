@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from pipeline import hooks
-from pipeline.kv.config import CompressionConfig, method_names
-
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import ModelNotFoundError, load_model
 from pipeline.engine.prompts import ContextTooLongError, PromptBuilder
 from pipeline.engine.types import Request
+from pipeline.kv.config import CompressionConfig
 from tests.faults import Faults
 from tests.methods import ALL_METHODS
 from tests.tiny import DEVICE, tiny_loaded, tiny_model, tiny_tokenizer
@@ -115,7 +114,12 @@ def test_truncation_policies():
 def test_bad_requests_become_error_rows_and_neighbours_survive():
     engine = _engine(batch_size=3)
     answers = engine.generate(
-        [Request("ok", TEXT, ["Who?"]), Request("empty", "   ", ["Who?"]), Request("noq", TEXT, [""]), Request("ok2", TEXT, ["Why?"])]
+        [
+            Request("ok", TEXT, ["Who?"]),
+            Request("empty", "   ", ["Who?"]),
+            Request("noq", TEXT, [""]),
+            Request("ok2", TEXT, ["Why?"]),
+        ]
     )
     by_doc = {a.doc_id: a for a in answers}
     assert by_doc["ok"].error is None and by_doc["ok2"].error is None
@@ -205,10 +209,17 @@ def test_hook_rejects_unknown_events_and_directives():
 
 @pytest.mark.parametrize("query_aware", [False, True])
 def test_sweep_from_one_prefill_equals_separate_runs(query_aware, priors):
-    settings = [CompressionConfig(method=m, cache_size=0.3 + 0.1 * (i % 3), window=4, kernel=3,
-                                  query_aware=query_aware, head_priors=priors)
-                for i, m in enumerate(ALL_METHODS)]
-    requests = [Request("a", TEXT * 3, ["Who jumps?", "Why?"]), Request("b", TEXT, ["What?"]), Request("bad", "", ["?"])]
+    settings = [
+        CompressionConfig(
+            method=m, cache_size=0.3 + 0.1 * (i % 3), window=4, kernel=3, query_aware=query_aware, head_priors=priors
+        )
+        for i, m in enumerate(ALL_METHODS)
+    ]
+    requests = [
+        Request("a", TEXT * 3, ["Who jumps?", "Why?"]),
+        Request("b", TEXT, ["What?"]),
+        Request("bad", "", ["?"]),
+    ]
     engine = Engine(tiny_loaded(), settings[0], GenerationConfig(max_new_tokens=8, batch_size=2))
     swept = engine.generate_sweep(requests, settings)
     assert len(swept) == len(settings)

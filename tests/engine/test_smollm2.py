@@ -6,12 +6,11 @@ import sys
 
 import pytest
 
-from pipeline.kv.config import CompressionConfig
-
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
+from pipeline.kv.config import CompressionConfig
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +41,11 @@ def test_full_cache_retrieves_needle(smollm2):
 
 
 def test_criticalkv_adakv_keeps_memory_bound(smollm2):
-    engine = Engine(smollm2, CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.4), GenerationConfig(max_new_tokens=10))
+    engine = Engine(
+        smollm2,
+        CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.4),
+        GenerationConfig(max_new_tokens=10),
+    )
     answer = engine.generate([Request("needle", needle_document(), [QUESTION], answer_prefix=PREFIX)])[0]
     assert answer.error is None and answer.prediction.strip()
     assert answer.kv_bytes_kept / answer.kv_bytes_full <= 0.42
@@ -59,15 +62,47 @@ def test_query_aware_criticalkv_keeps_needle(smollm2):
 def test_generate_cli_json(tmp_path, smollm2):
     doc = tmp_path / "doc.txt"
     doc.write_text(needle_document())
-    cmd = [sys.executable, "-m", "pipeline.generate", "--model", "smollm2", "--context-file", str(doc),
-           "--question", QUESTION, "--answer-prefix", PREFIX, "--max-new-tokens", "10", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.generate",
+        "--model",
+        "smollm2",
+        "--context-file",
+        str(doc),
+        "--question",
+        QUESTION,
+        "--answer-prefix",
+        PREFIX,
+        "--max-new-tokens",
+        "10",
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert NEEDLE in row["prediction"]
-    for key in ["doc_id", "question_id", "model", "method", "cache_size", "context_tokens", "question_tokens",
-                "generated_tokens", "kv_entries_full", "kv_entries_kept", "kv_bytes_full", "kv_bytes_kept", "ttft_s",
-                "compress_s", "decode_s", "decode_ms_per_token", "peak_memory_bytes", "device", "error"]:
+    for key in [
+        "doc_id",
+        "question_id",
+        "model",
+        "method",
+        "cache_size",
+        "context_tokens",
+        "question_tokens",
+        "generated_tokens",
+        "kv_entries_full",
+        "kv_entries_kept",
+        "kv_bytes_full",
+        "kv_bytes_kept",
+        "ttft_s",
+        "compress_s",
+        "decode_s",
+        "decode_ms_per_token",
+        "peak_memory_bytes",
+        "device",
+        "error",
+    ]:
         assert key in row
     bad = subprocess.run(cmd[:3] + ["--method", "magic"] + cmd[3:], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "invalid --method: method 'magic': unknown scorer" in bad.stderr

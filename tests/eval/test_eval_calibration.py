@@ -74,7 +74,10 @@ def test_cases_hold_the_needle_and_its_forced_copy(cases):
     assert len(cases) == 2 * 3 * 2 and {c.kind for c in cases} == {"numbers", "words"}
     for c in cases:
         assert c.needle_len >= 5
-        assert c.input_ids[c.copy_start : c.copy_start + c.needle_len] == c.input_ids[c.needle_start : c.needle_start + c.needle_len]
+        assert (
+            c.input_ids[c.copy_start : c.copy_start + c.needle_len]
+            == c.input_ids[c.needle_start : c.needle_start + c.needle_len]
+        )
         assert c.copy_start + c.needle_len == len(c.input_ids) and c.needle_start < c.copy_start - c.needle_len
         value = tok.decode(c.input_ids[c.needle_start : c.needle_start + c.needle_len])
         context = tok.decode(c.input_ids[: c.needle_start + c.needle_len + 1])

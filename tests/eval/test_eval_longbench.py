@@ -5,7 +5,8 @@ import json
 import pytest
 
 from pipeline.eval.longbench import LONGBENCH_DATASET_METRIC, LONGBENCH_MAX_NEW_TOKENS, load_longbench_jsonl
-from pipeline.eval.metrics import METRICS, load_longbench_jsonl as reexported, score
+from pipeline.eval.metrics import METRICS, score
+from pipeline.eval.metrics import load_longbench_jsonl as reexported
 
 
 def _write(path, items):

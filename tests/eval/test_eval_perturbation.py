@@ -187,27 +187,54 @@ def test_hidden_deviation_and_kept_counts_match_the_real_cache(arch):
     # criticalkv changes which entries are kept, never how many
     for r in rows:
         if r["criticalkv"]:
-            twin = [b for b in rows if b["method"] == r["base_method"] and b["cache_size"] == r["cache_size"]
-                    and b["layer"] == r["layer"] and b["kv_head"] == r["kv_head"] and b["probe"] == r["probe"]]
+            twin = [
+                b
+                for b in rows
+                if b["method"] == r["base_method"]
+                and b["cache_size"] == r["cache_size"]
+                and b["layer"] == r["layer"]
+                and b["kv_head"] == r["kv_head"]
+                and b["probe"] == r["probe"]
+            ]
             assert twin[0]["kept"] == r["kept"]
 
 
 def _row(method, layer, head, pert, doc="d", cache_size=0.2, dev=0.1, probe="later"):
     return {
-        "doc_id": doc, "query_kind": "question", "probe": probe, "model": "m", "method": method, "base_method": method.removeprefix("criticalkv-"),
-        "criticalkv": method.startswith("criticalkv-"), "cache_size": cache_size, "context_tokens": 10,
-        "query_tokens": 2, "layer": layer, "kv_head": head, "kept": 2, "perturbation": pert,
-        "group_perturbation": pert, "bound": pert, "evicted_term": pert, "evicted_mass": 0.1,
-        "proxy_objective": pert, "hidden_deviation": dev, "top1_agreement": 1.0,
+        "doc_id": doc,
+        "query_kind": "question",
+        "probe": probe,
+        "model": "m",
+        "method": method,
+        "base_method": method.removeprefix("criticalkv-"),
+        "criticalkv": method.startswith("criticalkv-"),
+        "cache_size": cache_size,
+        "context_tokens": 10,
+        "query_tokens": 2,
+        "layer": layer,
+        "kv_head": head,
+        "kept": 2,
+        "perturbation": pert,
+        "group_perturbation": pert,
+        "bound": pert,
+        "evicted_term": pert,
+        "evicted_mass": 0.1,
+        "proxy_objective": pert,
+        "hidden_deviation": dev,
+        "top1_agreement": 1.0,
     }
 
 
 def test_headline_pairs_criticalkv_with_its_base():
     rows = [
-        _row("snapkv", 0, 0, 1.0), _row("criticalkv-snapkv", 0, 0, 0.5, dev=0.05),
-        _row("snapkv", 0, 1, 1.0), _row("criticalkv-snapkv", 0, 1, 2.0, dev=0.05),
-        _row("snapkv", 1, 0, 1.0), _row("criticalkv-snapkv", 1, 0, 1.0, dev=0.05),
-        _row("snapkv", 1, 1, 4.0), _row("criticalkv-snapkv", 1, 1, 1.0, dev=0.05),
+        _row("snapkv", 0, 0, 1.0),
+        _row("criticalkv-snapkv", 0, 0, 0.5, dev=0.05),
+        _row("snapkv", 0, 1, 1.0),
+        _row("criticalkv-snapkv", 0, 1, 2.0, dev=0.05),
+        _row("snapkv", 1, 0, 1.0),
+        _row("criticalkv-snapkv", 1, 0, 1.0, dev=0.05),
+        _row("snapkv", 1, 1, 4.0),
+        _row("criticalkv-snapkv", 1, 1, 1.0, dev=0.05),
         _row("adakv-snapkv", 0, 0, 1.0),  # no criticalkv twin: not reported
         _row("criticalkv-snapkv", 0, 0, 0.1, cache_size=0.4),  # no base at this size: not reported
         _row("snapkv", 0, 0, 1.0, probe="window", dev=None),
@@ -232,4 +259,6 @@ def test_continuation_documents_are_consecutive_tokens():
         assert len(d.context_ids) == 120 and len(d.query_ids) == 10 and d.query_kind == "continuation"
         text = tok.decode(d.context_ids + d.query_ids)
         assert tok(text, add_special_tokens=True)["input_ids"][:130] == d.context_ids + d.query_ids
-    assert [d.context_ids for d in continuation_documents(tok, 120, 2, query_tokens=10, seed=3)] == [d.context_ids for d in docs]
+    assert [d.context_ids for d in continuation_documents(tok, 120, 2, query_tokens=10, seed=3)] == [
+        d.context_ids for d in docs
+    ]

@@ -182,13 +182,16 @@ def test_same_index_shares_needles_across_lengths(generated):
 def test_independent_of_hash_seed():
     code = (
         "import hashlib, json; from pipeline.eval.ruler import generate_task\n"
-        "rows = [generate_task(t, 600, lambda s: len(s.split()), 1, seed=5) for t in ('cwe', 'fwe', 'niah_multikey_2')]\n"
+        "rows = [generate_task(t, 600, lambda s: len(s.split()), 1, seed=5) "
+        "for t in ('cwe', 'fwe', 'niah_multikey_2')]\n"
         "print(hashlib.sha256(json.dumps(rows).encode()).hexdigest())"
     )
     digests = set()
     for hash_seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(ROOT))
-        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+        )
         digests.add(out.stdout.strip())
     assert len(digests) == 1
 

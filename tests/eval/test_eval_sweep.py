@@ -10,7 +10,13 @@ from pipeline.kv.config import CompressionConfig
 def test_settings_have_one_full_reference_and_every_pair():
     settings = sweep_settings(["snapkv", "criticalkv-snapkv"], [0.2, 0.4, 1.0], CompressionConfig(window=16))
     pairs = [(s.method, s.cache_size) for s in settings]
-    assert pairs == [("none", 1.0), ("snapkv", 0.2), ("snapkv", 0.4), ("criticalkv-snapkv", 0.2), ("criticalkv-snapkv", 0.4)]
+    assert pairs == [
+        ("none", 1.0),
+        ("snapkv", 0.2),
+        ("snapkv", 0.4),
+        ("criticalkv-snapkv", 0.2),
+        ("criticalkv-snapkv", 0.4),
+    ]
     assert all(s.window == 16 for s in settings)
     with pytest.raises(ValueError, match="methods"):
         sweep_settings(["magic"], [0.2], CompressionConfig())

@@ -1,4 +1,7 @@
-"""Checks of infra/docker/Dockerfile and .dockerignore against the Makefile and pyproject; each returns a list of problems."""
+"""Checks of infra/docker/Dockerfile and .dockerignore against the Makefile and pyproject.
+
+Each check returns a list of problems.
+"""
 
 from __future__ import annotations
 
@@ -42,12 +45,30 @@ def _arg_defaults(instructions: list[tuple[str, str]]) -> dict[str, str]:
 
 
 def _expand(text: str, variables: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$\((\w+)\)|\$(\w+)",
-                  lambda m: variables.get(m.group(1) or m.group(2) or m.group(3), m.group(0)), text)
+    return re.sub(
+        r"\$\{(\w+)\}|\$\((\w+)\)|\$(\w+)",
+        lambda m: variables.get(m.group(1) or m.group(2) or m.group(3), m.group(0)),
+        text,
+    )
 
 
-_PIP_VALUE_OPTIONS = {"-c", "--constraint", "-r", "--requirement", "-i", "--index-url", "--extra-index-url",
-                      "-f", "--find-links", "--target", "-t", "--prefix", "--upgrade-strategy", "-e", "--editable"}
+_PIP_VALUE_OPTIONS = {
+    "-c",
+    "--constraint",
+    "-r",
+    "--requirement",
+    "-i",
+    "--index-url",
+    "--extra-index-url",
+    "-f",
+    "--find-links",
+    "--target",
+    "-t",
+    "--prefix",
+    "--upgrade-strategy",
+    "-e",
+    "--editable",
+}
 
 
 def pip_installs(command: str) -> list[dict]:
@@ -63,7 +84,9 @@ def pip_installs(command: str) -> list[dict]:
         if is_pip and i + 1 < len(tokens) and tokens[i + 1] == "install":
             j = i + 2
             args = []
-            while j < len(tokens) and not re.fullmatch(r"[;&|()]+", tokens[j]) and tokens[j] not in ("then", "fi", "else"):
+            while (
+                j < len(tokens) and not re.fullmatch(r"[;&|()]+", tokens[j]) and tokens[j] not in ("then", "fi", "else")
+            ):
                 args.append(tokens[j])
                 j += 1
             specs, options, k = [], {}, 0
@@ -83,8 +106,14 @@ def pip_installs(command: str) -> list[dict]:
                 else:
                     specs.append(a)
                 k += 1
-            installs.append({"args": args, "specs": specs, "no_deps": "--no-deps" in options,
-                             "index_url": (options.get("--index-url") or options.get("-i") or [None])[0]})
+            installs.append(
+                {
+                    "args": args,
+                    "specs": specs,
+                    "no_deps": "--no-deps" in options,
+                    "index_url": (options.get("--index-url") or options.get("-i") or [None])[0],
+                }
+            )
             i = j
         else:
             i += 1
@@ -149,25 +178,38 @@ def dockerfile_install_problems(dockerfile_text: str, makefile_text: str, pyproj
     if not docker["project_installs"]:
         problems.append("the Dockerfile never installs the project with its dependencies")
     if not make["extras"] <= docker["extras"]:
-        problems.append(f"the Dockerfile installs extras {sorted(docker['extras'])}, missing the Makefile's {sorted(make['extras'] - docker['extras'])}")
+        problems.append(
+            f"the Dockerfile installs extras {sorted(docker['extras'])}, "
+            f"missing the Makefile's {sorted(make['extras'] - docker['extras'])}"
+        )
     if not docker["extras"] <= declared:
-        problems.append(f"the Dockerfile asks for extras {sorted(docker['extras'] - declared)} that pyproject does not define")
+        problems.append(
+            f"the Dockerfile asks for extras {sorted(docker['extras'] - declared)} that pyproject does not define"
+        )
     if docker["no_deps"] != make["no_deps"]:
-        problems.append(f"--no-deps packages differ: Dockerfile {sorted(docker['no_deps'])}, Makefile {sorted(make['no_deps'])}")
+        problems.append(
+            f"--no-deps packages differ: Dockerfile {sorted(docker['no_deps'])}, Makefile {sorted(make['no_deps'])}"
+        )
     torch_installs = [i for i in installs if any(re.match(r"^torch==", s) for s in i["specs"])]
     if not torch_installs:
         problems.append("the Dockerfile does not install a pinned torch")
     else:
         if not any(i["index_url"] and "/whl/cu" in i["index_url"] for i in torch_installs):
             problems.append("torch is not taken from a CUDA wheel index (--index-url .../whl/cuXXX)")
-        if "torch" not in docker["order"] or "project" not in docker["order"] or docker["order"].index("torch") > docker["order"].index("project"):
+        if (
+            "torch" not in docker["order"]
+            or "project" not in docker["order"]
+            or docker["order"].index("torch") > docker["order"].index("project")
+        ):
             problems.append("CUDA torch must be installed before the project (else pip picks its own torch)")
-        pinned = next(s for i in torch_installs for s in i["specs"] if s.startswith("torch=="))[len("torch=="):]
+        pinned = next(s for i in torch_installs for s in i["specs"] if s.startswith("torch=="))[len("torch==") :]
         torch_spec = next((d for d in pyproject["project"]["dependencies"] if re.match(r"^torch\b", d)), None)
-        if torch_spec and Version(pinned) not in SpecifierSet(torch_spec[len("torch"):].strip()):
+        if torch_spec and Version(pinned) not in SpecifierSet(torch_spec[len("torch") :].strip()):
             problems.append(f"the image's torch {pinned} is outside pyproject's {torch_spec}")
         if make_vars.get("TORCH_VERSION") and pinned != make_vars["TORCH_VERSION"]:
-            problems.append(f"the image's torch {pinned} differs from the Makefile's TORCH_VERSION {make_vars['TORCH_VERSION']}")
+            problems.append(
+                f"the image's torch {pinned} differs from the Makefile's TORCH_VERSION {make_vars['TORCH_VERSION']}"
+            )
     return problems
 
 
@@ -250,8 +292,14 @@ def dockerignore_problems(text: str) -> list[str]:
     for path in needed:
         if dockerignore_excludes(rules, path):
             problems.append(f".dockerignore drops {path}, which the image needs")
-    for junk in (".git/HEAD", ".venv/bin/python", "outputs/run/data/x.parquet", "pipeline/__pycache__/x.pyc",
-                 "criticalkv_pipeline.egg-info/PKG-INFO", ".pytest_cache/v/x"):
+    for junk in (
+        ".git/HEAD",
+        ".venv/bin/python",
+        "outputs/run/data/x.parquet",
+        "pipeline/__pycache__/x.pyc",
+        "criticalkv_pipeline.egg-info/PKG-INFO",
+        ".pytest_cache/v/x",
+    ):
         if not dockerignore_excludes(rules, junk):
             problems.append(f".dockerignore keeps {junk} in the build context")
     return problems

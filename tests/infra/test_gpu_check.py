@@ -21,8 +21,23 @@ import gpu_check  # noqa: E402
 
 
 def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
-    rc = gpu_check.main(["--smoke", "--device", "cpu", "--lengths", "400", "--repeats", "1", "--decode-steps", "2",
-                         "--decode-warmup", "1", "--out", str(tmp_path)])
+    rc = gpu_check.main(
+        [
+            "--smoke",
+            "--device",
+            "cpu",
+            "--lengths",
+            "400",
+            "--repeats",
+            "1",
+            "--decode-steps",
+            "2",
+            "--decode-warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| 400 |")]
@@ -55,8 +70,14 @@ def test_gpu_check_model_is_llama_31_8b_shaped():
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_check_sh_smoke_without_tests(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_BUDGET_S="240")
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--smoke", "--skip-tests", "--lengths", "96",
-                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--smoke", "--skip-tests", "--lengths", "96", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| 96 | criticalkv-snapkv |" in proc.stdout
     assert "tests/kv on" in proc.stdout and "skipped (--skip-tests)" in proc.stdout

@@ -1,5 +1,4 @@
-"""See tests/infra/test_launcher.py for what the infra tests check and how.
-"""
+"""See tests/infra/test_launcher.py for what the infra tests check and how."""
 
 from __future__ import annotations
 
@@ -65,9 +64,19 @@ def test_rayjob_object_storage_uris_reach_the_job_config():
 
 
 K8S_BREAKAGES = [
-    "wrong apiVersion", "misspelt field", "missing required field", "auth disabled", "no GPU limit on a worker",
-    "GPU request != limit", "container without image", "integer rayStartParams", "PVC renamed",
-    "cache dir off the PVC", "unknown service account", "old rayVersion", "committed secret",
+    "wrong apiVersion",
+    "misspelt field",
+    "missing required field",
+    "auth disabled",
+    "no GPU limit on a worker",
+    "GPU request != limit",
+    "container without image",
+    "integer rayStartParams",
+    "PVC renamed",
+    "cache dir off the PVC",
+    "unknown service account",
+    "old rayVersion",
+    "committed secret",
 ]
 
 
@@ -91,16 +100,32 @@ def k8s_breakage(name: str, docs: list[dict]) -> tuple[list[dict], str]:
         "misspelt field": lambda: (at(ji, ["spec", "shutdownAfterJobFinish"], True), "shutdownAfterJobFinish"),
         "missing required field": lambda: (at(ci, workers + [0, "groupName"], delete=True), "groupName"),
         "auth disabled": lambda: (at(ci, ["spec", "authOptions", "mode"], "disabled"), "authOptions.mode"),
-        "no GPU limit on a worker": lambda: (at(ci, c0 + ["resources", "limits"], {"cpu": "7", "memory": "28Gi"}), "nvidia.com/gpu"),
+        "no GPU limit on a worker": lambda: (
+            at(ci, c0 + ["resources", "limits"], {"cpu": "7", "memory": "28Gi"}),
+            "nvidia.com/gpu",
+        ),
         "GPU request != limit": lambda: (at(ci, c0 + ["resources", "requests", "nvidia.com/gpu"], "2"), "request"),
         "container without image": lambda: (at(ci, c0 + ["image"], delete=True), "no image"),
-        "integer rayStartParams": lambda: (at(ci, ["spec", "headGroupSpec", "rayStartParams", "num-cpus"], 0), "rayStartParams"),
+        "integer rayStartParams": lambda: (
+            at(ci, ["spec", "headGroupSpec", "rayStartParams", "num-cpus"], 0),
+            "rayStartParams",
+        ),
         "PVC renamed": lambda: (at(pvc, ["metadata", "name"], "other-cache"), "no PVC manifest"),
         "cache dir off the PVC": lambda: (at(ci, c0 + ["env", env0, "value"], "/tmp/cache"), "CRITICALKV_CACHE_DIR"),
         "unknown service account": lambda: (at(ci, pod0 + ["serviceAccountName"], "nobody"), "ServiceAccount"),
         "old rayVersion": lambda: (at(ci, ["spec", "rayVersion"], "2.40.0"), "rayVersion"),
-        "committed secret": lambda: (docs + [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "criticalkv-ray-auth"},
-                                               "stringData": {TOKEN_AUTH_SECRET_KEY: "x"}}], "must not be committed"),
+        "committed secret": lambda: (
+            docs
+            + [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {"name": "criticalkv-ray-auth"},
+                    "stringData": {TOKEN_AUTH_SECRET_KEY: "x"},
+                }
+            ],
+            "must not be committed",
+        ),
     }
     return cases[name]()
 
@@ -116,7 +141,9 @@ def test_checks_reject_broken_rayjob_entrypoints():
     entrypoint = _rayjob_entrypoints(_load_k8s_docs())[0]
     script, _, _ = entrypoint_script(shlex.split(entrypoint))
     assert any("does not exist" in p for p in entrypoint_problems(entrypoint.replace(script.name, "no_such_job.py")))
-    assert any("is not jobs/<name>.py" in p for p in entrypoint_problems("python /app/pipeline/generate.py --input s3://b/x"))
+    assert any(
+        "is not jobs/<name>.py" in p for p in entrypoint_problems("python /app/pipeline/generate.py --input s3://b/x")
+    )
     _require_job_scripts([entrypoint])
     assert any("rejects" in p for p in entrypoint_problems(entrypoint + " --no-such-flag 1"))
     assert any("rejects" in p for p in entrypoint_problems(entrypoint + " --cache-size lots"))

@@ -54,8 +54,15 @@ def test_launcher_yaml_cluster_shape_auth_and_mounts(path):
 
 
 LAUNCHER_BREAKAGES = [
-    "unknown top-level key", "string resources", "head type not defined", "min_workers above max_workers",
-    "no 8-GPU worker type", "GPU head", "foreign image", "head without token auth", "token file not mounted",
+    "unknown top-level key",
+    "string resources",
+    "head type not defined",
+    "min_workers above max_workers",
+    "no 8-GPU worker type",
+    "GPU head",
+    "foreign image",
+    "head without token auth",
+    "token file not mounted",
     "cache dir never created",
 ]
 
@@ -75,14 +82,19 @@ def launcher_breakage(name: str, cfg: dict) -> tuple[dict, str]:
     if name == "no 8-GPU worker type":
         return _mutated(cfg, ["available_node_types", gpu8], delete=True), "8 GPU"
     if name == "GPU head":
-        return _mutated(cfg, ["available_node_types", head, "resources"], {"CPU": 4, "GPU": 1}), "head node type has GPUs"
+        return _mutated(
+            cfg, ["available_node_types", head, "resources"], {"CPU": 4, "GPU": 1}
+        ), "head node type has GPUs"
     if name == "foreign image":
         return _mutated(cfg, ["docker", "image"], "rayproject/ray:2.60.0-gpu"), "project's image"
     if name == "head without token auth":
         cmds = [c.replace("RAY_AUTH_MODE=token", "") for c in cfg["head_start_ray_commands"]]
         return _mutated(cfg, ["head_start_ray_commands"], cmds), "RAY_AUTH_MODE=token"
     if name == "token file not mounted":
-        cmds = [re.sub(r"RAY_AUTH_TOKEN_PATH=\S+", "RAY_AUTH_TOKEN_PATH=/tmp/tok", c) for c in cfg["worker_start_ray_commands"]]
+        cmds = [
+            re.sub(r"RAY_AUTH_TOKEN_PATH=\S+", "RAY_AUTH_TOKEN_PATH=/tmp/tok", c)
+            for c in cfg["worker_start_ray_commands"]
+        ]
         return _mutated(cfg, ["worker_start_ray_commands"], cmds), "not under any file_mounts"
     if name == "cache dir never created":
         return _mutated(cfg, ["initialization_commands"], []), "never create"

@@ -17,8 +17,14 @@ import torch
 
 PINNED = Path(__file__).parent / "data" / "pinned_kept.json"
 METHODS = (
-    "none", "streamingllm", "snapkv", "adakv-snapkv", "headkv-snapkv",
-    "criticalkv-snapkv", "criticalkv-adakv-snapkv", "criticalkv-headkv-snapkv",
+    "none",
+    "streamingllm",
+    "snapkv",
+    "adakv-snapkv",
+    "headkv-snapkv",
+    "criticalkv-snapkv",
+    "criticalkv-adakv-snapkv",
+    "criticalkv-headkv-snapkv",
 )
 ARCHS = ("llama", "qwen3", "llama-mha")
 CACHE_SIZES = (0.2, 0.5)
@@ -45,8 +51,10 @@ def batch_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kept_positions(cache, num_layers: int, rows: int, heads: int) -> list:
-    return [[[cache.kept_positions(layer, b, h).tolist() for h in range(heads)] for b in range(rows)]
-            for layer in range(num_layers)]
+    return [
+        [[cache.kept_positions(layer, b, h).tolist() for h in range(heads)] for b in range(rows)]
+        for layer in range(num_layers)
+    ]
 
 
 def compute(kept_for) -> dict:
@@ -79,7 +87,9 @@ def kept_for_current_code(model, method, size, priors, ids, pos):
 
     cfg = model.config
     comp = CompressionConfig(method=method, cache_size=size, window=4, kernel=3, head_priors=priors)
-    tensor = load_head_priors(priors, cfg.num_hidden_layers, cfg.num_key_value_heads) if comp.needs_head_priors else None
+    tensor = (
+        load_head_priors(priors, cfg.num_hidden_layers, cfg.num_key_value_heads) if comp.needs_head_priors else None
+    )
     model.set_attn_implementation(register())
     cache = VarLenCache(cfg.num_hidden_layers, Compressor(comp, tensor))
     with torch.inference_mode():

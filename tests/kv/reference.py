@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 
-
 def snapkv_reference(query, key, length, window, kernel, pooling, scaling):
     """Scores for ONE unpadded row. query (H_q, n, D), key (H_kv, n, D) -> list[H_kv][n] floats,
     with window entries = +inf."""
@@ -32,7 +31,9 @@ def snapkv_reference(query, key, length, window, kernel, pooling, scaling):
         pooled = []
         r = kernel // 2
         for j in range(n):
-            neigh = [base[i] if 0 <= i < n else (0.0 if pooling == "avg" else -math.inf) for i in range(j - r, j + r + 1)]
+            neigh = [
+                base[i] if 0 <= i < n else (0.0 if pooling == "avg" else -math.inf) for i in range(j - r, j + r + 1)
+            ]
             pooled.append(sum(neigh) / kernel if pooling == "avg" else max(neigh))
         per_qhead.append(pooled)
     out = []
@@ -122,7 +123,7 @@ def headkv_reference(priors, layer, budget, window, length, alpha):
             saturated[i] = True
     alloc = [cap if s else c * w for w, s in zip(weight, saturated)]
     heads = len(priors[0])
-    counts = [math.floor(a + 1e-9) for a in alloc[layer * heads:(layer + 1) * heads]]
+    counts = [math.floor(a + 1e-9) for a in alloc[layer * heads : (layer + 1) * heads]]
     return [min(max(x, window), length) for x in counts]
 
 
@@ -158,6 +159,6 @@ ALLOCATION_REFERENCES = {
 SELECTION_REFERENCES = {
     "topk": lambda s, v, o, k, g, d, b, w, cfg: topk_reference(s, b),
     "criticalkv": lambda s, v, o, k, g, d, b, w, cfg: two_stage_reference(
-        s, value_norm_reference(v, o, k, g, d, p=1 if cfg.norm == "l1" else 2), b, w, cfg.first_stage_ratio,
-        cfg.epsilon),
+        s, value_norm_reference(v, o, k, g, d, p=1 if cfg.norm == "l1" else 2), b, w, cfg.first_stage_ratio, cfg.epsilon
+    ),
 }

@@ -73,11 +73,11 @@ def run_ours(model, compressor, rows):
     ids = torch.full((len(rows), width), 258, dtype=torch.long, device=DEVICE)
     pos = torch.full((len(rows), width), -1, dtype=torch.long, device=DEVICE)
     for b, (ctx, _, _) in enumerate(rows):
-        ids[b, width - ctx.numel():] = ctx
-        pos[b, width - ctx.numel():] = torch.arange(ctx.numel(), device=DEVICE)
+        ids[b, width - ctx.numel() :] = ctx
+        pos[b, width - ctx.numel() :] = torch.arange(ctx.numel(), device=DEVICE)
     run_chunk(model, cache, ids, pos)
     lengths = torch.tensor([r[0].numel() for r in rows], device=DEVICE)
-    chunks = [torch.stack([r[1] for r in rows])] + [torch.stack([r[2][i:i + 1] for r in rows]) for i in range(N_DEC)]
+    chunks = [torch.stack([r[1] for r in rows])] + [torch.stack([r[2][i : i + 1] for r in rows]) for i in range(N_DEC)]
     outs, start = [], lengths
     for chunk in chunks:
         chunk_pos = start[:, None] + torch.arange(chunk.shape[1], device=DEVICE)[None]
@@ -87,7 +87,10 @@ def run_ours(model, compressor, rows):
 
 
 def masked_reference(model, ctx_ids, q_ids, dec_ids, keep):
-    """Full DynamicCache run of one unpadded row; context key j of (layer, head) visible only if keep[layer][head, j]."""
+    """Full DynamicCache run of one unpadded row.
+
+    Context key j of (layer, head) is visible only if keep[layer][head, j].
+    """
     n_ctx = ctx_ids.numel()
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -131,8 +134,9 @@ def _keep_masks(cache, model, row, n_ctx):
 
 
 def _full(model, n_ctx):
-    return [torch.ones(model.config.num_key_value_heads, n_ctx, dtype=torch.bool, device=DEVICE)] * \
-        model.config.num_hidden_layers
+    return [
+        torch.ones(model.config.num_key_value_heads, n_ctx, dtype=torch.bool, device=DEVICE)
+    ] * model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -146,7 +150,7 @@ def test_full_budget_equals_full_cache(arch, method, tmp_path):
         torch.testing.assert_close(ours[b], ref, rtol=1e-5, atol=1e-5)
     model.set_attn_implementation("sdpa")
     ctx, q, dec = rows[0]
-    plain = model(input_ids=torch.cat([ctx, q, dec])[None]).logits[0, ctx.numel():]
+    plain = model(input_ids=torch.cat([ctx, q, dec])[None]).logits[0, ctx.numel() :]
     torch.testing.assert_close(ours[0], plain, rtol=1e-5, atol=1e-5)
 
 

@@ -29,10 +29,14 @@ def _rand(*shape, seed=0):
 def _batch(seed=0):
     """q (B, H_q, n, D), k, v (B, H_kv, n, D), key_pos (B, n): real tokens right-aligned."""
     n = max(LENGTHS)
-    q, k, v = _rand(2, H_Q, n, D, seed=seed) * 2, _rand(2, H_KV, n, D, seed=seed + 1) * 2, _rand(2, H_KV, n, D, seed=seed + 2)
+    q, k, v = (
+        _rand(2, H_Q, n, D, seed=seed) * 2,
+        _rand(2, H_KV, n, D, seed=seed + 1) * 2,
+        _rand(2, H_KV, n, D, seed=seed + 2),
+    )
     pos = torch.full((2, n), -1)
     for b, length in enumerate(LENGTHS):
-        pos[b, n - length:] = torch.arange(length)
+        pos[b, n - length :] = torch.arange(length)
         q[b, :, : n - length] = k[b, :, : n - length] = v[b, :, : n - length] = 0.0
     return q, k, v, pos
 
@@ -41,9 +45,19 @@ def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None):
     lengths = (pos >= 0).sum(-1)
     row_b, row_w = row_budgets(lengths, config.cache_size, config.budget, config.window)
     proj = OutputProjection.from_weight(o_weight if o_weight is not None else _rand(HIDDEN, H_Q * D, seed=9), H_KV, D)
-    return LayerContext(layer_idx=layer, key=k, value=v, key_pos=pos, scaling=D**-0.5, lengths=lengths,
-                        row_budget=row_b, row_window=row_w, observed=scorer.observe(q, pos, config),
-                        projection=lambda: proj, head_priors=priors)
+    return LayerContext(
+        layer_idx=layer,
+        key=k,
+        value=v,
+        key_pos=pos,
+        scaling=D**-0.5,
+        lengths=lengths,
+        row_budget=row_b,
+        row_window=row_w,
+        observed=scorer.observe(q, pos, config),
+        projection=lambda: proj,
+        head_priors=priors,
+    )
 
 
 def _config(**parts):
@@ -76,9 +90,9 @@ def _peaked_scores(seed, n):
     scores[0, 0] *= 5  # one head dominates
     pos = torch.full((2, n), -1)
     for b, length in enumerate(LENGTHS):
-        pos[b, n - length:] = torch.arange(length)
+        pos[b, n - length :] = torch.arange(length)
         scores[b, :, : n - length] = float("-inf")
-        scores[b, :, n - min(WINDOW, length):] = float("inf")
+        scores[b, :, n - min(WINDOW, length) :] = float("inf")
     return scores, pos
 
 
@@ -95,8 +109,9 @@ def test_allocation_matches_reference(name):
         got = ALLOCATIONS[name].head_budgets(scores, ctx, cfg)
         for b, length in enumerate(LENGTHS):
             budget, window = int(ctx.row_budget[b]), int(ctx.row_window[b])
-            ref = ALLOCATION_REFERENCES[name](scores[b, :, n - length:].tolist(), budget, window, length, cfg,
-                                              priors.tolist(), layer)
+            ref = ALLOCATION_REFERENCES[name](
+                scores[b, :, n - length :].tolist(), budget, window, length, cfg, priors.tolist(), layer
+            )
             assert got[b].tolist() == ref
 
 
@@ -117,6 +132,15 @@ def test_selection_matches_reference(name, norm):
         pad = n - length
         assert not keep[b, :, :pad].any(), "padding is never kept"
         for h in range(H_KV):
-            ref = SELECTION_REFERENCES[name](scores[b, h, pad:].tolist(), v[b, h, pad:], o_weight, h, H_Q // H_KV, D,
-                                             int(budgets[b, h]), int(ctx.row_window[b]), cfg)
+            ref = SELECTION_REFERENCES[name](
+                scores[b, h, pad:].tolist(),
+                v[b, h, pad:],
+                o_weight,
+                h,
+                H_Q // H_KV,
+                D,
+                int(budgets[b, h]),
+                int(ctx.row_window[b]),
+                cfg,
+            )
             assert (keep[b, h, pad:].nonzero().flatten()).tolist() == ref

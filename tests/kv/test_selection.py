@@ -128,8 +128,10 @@ def test_headkv_budgets_follow_priors():
 def test_headkv_redistributes_what_saturated_heads_cannot_use():
     priors = torch.tensor([[0.0, 0.0, 0.0, 10.0], [0.0, 1.0, 0.0, 0.0]])
     n, b = 100, 40
-    layers = [headkv_head_budgets(priors, layer, torch.tensor([b]), torch.tensor([4]), torch.tensor([n]), 0.2)[0]
-              for layer in range(2)]
+    layers = [
+        headkv_head_budgets(priors, layer, torch.tensor([b]), torch.tensor([4]), torch.tensor([n]), 0.2)[0]
+        for layer in range(2)
+    ]
     budgets = torch.stack(layers)
     assert budgets.max() <= n and budgets[0, 3] == n  # the dominant head keeps its whole context
     assert abs(int(budgets.sum()) - 8 * b) <= 8  # the pool is still used in full (floors aside)

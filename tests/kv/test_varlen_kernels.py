@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.kv.config import CompressionConfig
-
 from pipeline.engine.config import GenerationConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.types import Request
 from pipeline.kv import varlen_kernels
 from pipeline.kv.attention import varlen_attention
+from pipeline.kv.config import CompressionConfig
 from pipeline.kv.store import VarLenLayer
 from pipeline.kv.varlen_kernels import (
     KERNEL_ENV,
@@ -29,8 +28,9 @@ from pipeline.kv.varlen_kernels import (
 from tests.tiny import tiny_loaded
 
 
-def naive_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       softmax_scale=None, causal=False):
+def naive_flash_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False
+):
     """flash_attn_varlen_func's contract: q (Nq, H, D), k/v (Nk, H_k, D); sequence i is
     q[cu_q[i]:cu_q[i+1]] against k[cu_k[i]:cu_k[i+1]]; causal masks are aligned to the bottom
     right (query j sees key m iff m <= len_k - len_q + j); a query seeing no key outputs 0."""
@@ -53,8 +53,9 @@ def naive_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     return out
 
 
-def _layer_and_chunk(bsz=2, h_kv=2, groups=2, n=12, t=3, dim=8, pad=(0, 2), seed=0, append=True,
-                     device="cpu", dtype=torch.float32):
+def _layer_and_chunk(
+    bsz=2, h_kv=2, groups=2, n=12, t=3, dim=8, pad=(0, 2), seed=0, append=True, device="cpu", dtype=torch.float32
+):
     """A compressed layer (random ragged keep masks, left-padded prefill) plus a chunk of T new
     tokens appended (row b's first pad[b] tokens are padding). Returns layer, query, query_pos."""
     g = torch.Generator().manual_seed(seed)
@@ -145,8 +146,10 @@ def test_flash_without_flash_attn_says_what_is_missing(monkeypatch):
 @pytest.mark.parametrize("kernel", ["sdpa", "flash"])
 def test_engine_batches_give_the_same_answers_with_each_kernel(kernel, monkeypatch):
     """Batched, left-padded rows with ragged AdaKV budgets, several questions per context."""
-    requests = [Request("a", "The quick brown fox jumps over the lazy dog. " * 5, ["Who jumps?", "What dog?"]),
-                Request("b", "Pack my box with five dozen liquor jugs. " * 2, ["What is packed in the box?"])]
+    requests = [
+        Request("a", "The quick brown fox jumps over the lazy dog. " * 5, ["Who jumps?", "What dog?"]),
+        Request("b", "Pack my box with five dozen liquor jugs. " * 2, ["What is packed in the box?"]),
+    ]
     config = CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.4, window=4, kernel=3)
 
     def run():
@@ -160,12 +163,15 @@ def test_engine_batches_give_the_same_answers_with_each_kernel(kernel, monkeypat
     assert run() == expected and all(error is None for *_, error in expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or varlen_kernels.flash_varlen_function() is None,
-                    reason="needs CUDA and flash-attn (benchmarks/gpu_check.sh runs it on a GPU machine)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or varlen_kernels.flash_varlen_function() is None,
+    reason="needs CUDA and flash-attn (benchmarks/gpu_check.sh runs it on a GPU machine)",
+)
 @pytest.mark.parametrize("append", [True, False])
 def test_real_flash_attn_equals_the_reference_on_cuda(append):
-    layer, query, query_pos, real = _layer_and_chunk(groups=4, dim=64, n=300, append=append, device="cuda",
-                                                     dtype=torch.bfloat16)
+    layer, query, query_pos, real = _layer_and_chunk(
+        groups=4, dim=64, n=300, append=append, device="cuda", dtype=torch.bfloat16
+    )
     expected = _reference(layer, query, query_pos, 0.125)
     got = flash_varlen_attention(query, layer, 0.125)
     mask = real[:, None, :, None].expand_as(expected)

@@ -23,10 +23,34 @@ pytestmark = pytest.mark.slow
 
 
 def _command(path: Path, out: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "jobs" / "longdoc_qa.py"), "--input", str(path), "--output", str(out),
-            "--model", "tiny-llama", "--engine-factory", "tests.distributed.helpers:tiny_engine",
-            "--method", "criticalkv-snapkv", "--cache-size", "0.5", "--window", "4", "--kernel", "3",
-            "--max-new-tokens", "48", "--rows-per-file", "1", "--num-actors", "1", "--cpus-per-actor", "1"]
+    return [
+        sys.executable,
+        str(ROOT / "jobs" / "longdoc_qa.py"),
+        "--input",
+        str(path),
+        "--output",
+        str(out),
+        "--model",
+        "tiny-llama",
+        "--engine-factory",
+        "tests.distributed.helpers:tiny_engine",
+        "--method",
+        "criticalkv-snapkv",
+        "--cache-size",
+        "0.5",
+        "--window",
+        "4",
+        "--kernel",
+        "3",
+        "--max-new-tokens",
+        "48",
+        "--rows-per-file",
+        "1",
+        "--num-actors",
+        "1",
+        "--cpus-per-actor",
+        "1",
+    ]
 
 
 def test_driver_sigkill_then_rerun(tmp_path):
@@ -34,8 +58,14 @@ def test_driver_sigkill_then_rerun(tmp_path):
     path = write_documents(docs, tmp_path / "in.jsonl")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""}
-    proc = subprocess.Popen(_command(path, out), cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _command(path, out),
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 240
         while time.time() < deadline and len(committed_files(out / "data") if (out / "data").exists() else []) < 2:
@@ -48,7 +78,9 @@ def test_driver_sigkill_then_rerun(tmp_path):
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
-    before = {(r["doc_id"], r["question_id"]) for f in committed_files(out / "data") for r in pq.read_table(f).to_pylist()}
+    before = {
+        (r["doc_id"], r["question_id"]) for f in committed_files(out / "data") for r in pq.read_table(f).to_pylist()
+    }
     assert 2 <= len(before) < sum(len(d["question_ids"]) for d in docs)
 
     rerun = subprocess.run(_command(path, out), cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)

@@ -32,8 +32,15 @@ def test_worker_node_removed_mid_job(tmp_path):
         ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
         docs = small_docs(10, words=120, seed=13)
         path = write_documents(docs, tmp_path / "in.jsonl")
-        config = tiny_config(tmp_path / "out", input=str(path), rows_per_file=1, min_actors=2, max_actors=2,
-                             cpus_per_actor=1, generation={"max_new_tokens": 48, "batch_size": 1})
+        config = tiny_config(
+            tmp_path / "out",
+            input=str(path),
+            rows_per_file=1,
+            min_actors=2,
+            max_actors=2,
+            cpus_per_actor=1,
+            generation={"max_new_tokens": 48, "batch_size": 1},
+        )
         result: dict = {}
         job = threading.Thread(target=lambda: result.setdefault("run", run_job(config, echo=False)))
         job.start()

@@ -4,21 +4,48 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.schema import rows_to_table
-from pipeline.report import build_report
-from pipeline.report import tables
+from pipeline.report import build_report, tables
 from pipeline.report.__main__ import main
 
 
 def _rows():
     rows = []
-    for method, size, scores in [("none", 1.0, [1.0, 1.0]), ("snapkv", 0.2, [0.5, 0.0]), ("criticalkv-snapkv", 0.2, [1.0, 0.5])]:
+    for method, size, scores in [
+        ("none", 1.0, [1.0, 1.0]),
+        ("snapkv", 0.2, [0.5, 0.0]),
+        ("criticalkv-snapkv", 0.2, [1.0, 0.5]),
+    ]:
         for task, score in zip(["niah_single_1", "vt"], scores):
-            rows.append(dict(doc_id=f"{task}-0", question_id="0", job="eval", task=task, model="m", method=method,
-                             cache_size=size, score=score, ttft_s=1.0 if method == "none" else 0.5, compress_s=0.1,
-                             decode_ms_per_token=10.0, kv_bytes_full=1000, kv_bytes_kept=int(1000 * size) + 4,
-                             peak_memory_bytes=2**20))
-    rows.append(dict(doc_id="bad", question_id="0", job="eval", task="vt", model="m", method="snapkv", cache_size=0.2,
-                     error="ValueError: context is empty"))
+            rows.append(
+                dict(
+                    doc_id=f"{task}-0",
+                    question_id="0",
+                    job="eval",
+                    task=task,
+                    model="m",
+                    method=method,
+                    cache_size=size,
+                    score=score,
+                    ttft_s=1.0 if method == "none" else 0.5,
+                    compress_s=0.1,
+                    decode_ms_per_token=10.0,
+                    kv_bytes_full=1000,
+                    kv_bytes_kept=int(1000 * size) + 4,
+                    peak_memory_bytes=2**20,
+                )
+            )
+    rows.append(
+        dict(
+            doc_id="bad",
+            question_id="0",
+            job="eval",
+            task="vt",
+            model="m",
+            method="snapkv",
+            cache_size=0.2,
+            error="ValueError: context is empty",
+        )
+    )
     return rows
 
 
@@ -57,10 +84,21 @@ def test_perturbation_section(tmp_path):
     for method, base, crit, value in [("snapkv", "snapkv", False, 2.0), ("criticalkv-snapkv", "snapkv", True, 1.0)]:
         for layer in range(3):
             for head in range(2):
-                rows.append(dict(doc_id="d", query_kind="question", probe="later", method=method, base_method=base,
-                                 criticalkv=crit, cache_size=0.2, layer=layer, kv_head=head,
-                                 perturbation=value * (2.0 if (layer, head) == (0, 0) and crit else 1.0),
-                                 hidden_deviation=0.1))
+                rows.append(
+                    dict(
+                        doc_id="d",
+                        query_kind="question",
+                        probe="later",
+                        method=method,
+                        base_method=base,
+                        criticalkv=crit,
+                        cache_size=0.2,
+                        layer=layer,
+                        kv_head=head,
+                        perturbation=value * (2.0 if (layer, head) == (0, 0) and crit else 1.0),
+                        hidden_deviation=0.1,
+                    )
+                )
     out = tmp_path / "pert"
     out.mkdir()
     pq.write_table(pa.Table.from_pylist(rows), out / "perturbation.parquet")

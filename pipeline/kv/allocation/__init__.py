@@ -4,10 +4,13 @@ from ..parts import Allocation, Registry
 from . import adakv, headkv, uniform
 from .common import row_budgets
 
-ALLOCATIONS: Registry[Allocation] = Registry("allocation", [
-    uniform.Uniform(),
-    adakv.AdaKV(),
-    headkv.HeadKVAllocation(),
-])
+ALLOCATIONS: Registry[Allocation] = Registry(
+    "allocation",
+    [
+        uniform.Uniform(),
+        adakv.AdaKV(),
+        headkv.HeadKVAllocation(),
+    ],
+)
 
 __all__ = ["ALLOCATIONS", "row_budgets"]

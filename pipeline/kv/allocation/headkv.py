@@ -24,7 +24,8 @@ class HeadKVOptions(BaseModel):
     """HeadKV allocation"""
 
     head_priors: Path | None = Field(
-        None, description="HeadKV per-head importance JSON (default: the calibration shipped for the model)")
+        None, description="HeadKV per-head importance JSON (default: the calibration shipped for the model)"
+    )
 
 
 def headkv_head_budgets(
@@ -73,5 +74,6 @@ class HeadKVAllocation(Allocation):
     def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
         if ctx.head_priors is None:
             raise ValueError("allocation 'headkv' needs HeadKV priors (compression.head_priors)")
-        return headkv_head_budgets(ctx.head_priors, ctx.layer_idx, ctx.row_budget, ctx.row_window, ctx.lengths,
-                                   config.alpha_safeguard)
+        return headkv_head_budgets(
+            ctx.head_priors, ctx.layer_idx, ctx.row_budget, ctx.row_window, ctx.lengths, config.alpha_safeguard
+        )

@@ -3,8 +3,11 @@
 from ..parts import Registry, Scorer
 from . import knorm, snapkv, streamingllm
 
-SCORERS: Registry[Scorer] = Registry("scorer", [
-    snapkv.SnapKV(),
-    streamingllm.StreamingLLM(),
-    knorm.KNorm(),
-])
+SCORERS: Registry[Scorer] = Registry(
+    "scorer",
+    [
+        snapkv.SnapKV(),
+        streamingllm.StreamingLLM(),
+        knorm.KNorm(),
+    ],
+)

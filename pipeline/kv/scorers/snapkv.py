@@ -101,5 +101,6 @@ class SnapKV(Scorer):
         return config.window
 
     def score(self, ctx: LayerContext, config) -> torch.Tensor:
-        return snapkv_scores(ctx.observed, ctx.key, ctx.key_pos, ctx.row_window, config.kernel, config.pooling,
-                             ctx.scaling)
+        return snapkv_scores(
+            ctx.observed, ctx.key, ctx.key_pos, ctx.row_window, config.kernel, config.pooling, ctx.scaling
+        )

@@ -3,7 +3,10 @@
 from ..parts import Registry, Selection
 from . import criticalkv, topk
 
-SELECTIONS: Registry[Selection] = Registry("selection", [
-    topk.TopK(),
-    criticalkv.CriticalKV(),
-])
+SELECTIONS: Registry[Selection] = Registry(
+    "selection",
+    [
+        topk.TopK(),
+        criticalkv.CriticalKV(),
+    ],
+)

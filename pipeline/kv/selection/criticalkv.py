@@ -119,5 +119,14 @@ class CriticalKV(Selection):
     summary = "two-stage selection by (s + eps) * ||V W_O|| (arXiv 2502.03805)"
 
     def select(self, scores, head_budget, ctx: LayerContext, config, stats):
-        return two_stage_select(scores, head_budget, ctx.row_window, ctx.value, ctx.projection(),
-                                config.first_stage_ratio, config.epsilon, config.norm, stats)
+        return two_stage_select(
+            scores,
+            head_budget,
+            ctx.row_window,
+            ctx.value,
+            ctx.projection(),
+            config.first_stage_ratio,
+            config.epsilon,
+            config.norm,
+            stats,
+        )
