@@ -21,6 +21,7 @@ from pipeline.kv.attention import register  # noqa: E402
 from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
 from pipeline.kv.compress import Compressor  # noqa: E402
 from pipeline.kv.config import CompressionConfig  # noqa: E402
+from pipeline.kv.rope import model_rotary  # noqa: E402
 
 
 def machine() -> str:
@@ -48,7 +49,7 @@ def context_ids(tokenizer, n_tokens: int, seed: int = 0) -> torch.Tensor:
 @torch.inference_mode()
 def prefill(model, config: CompressionConfig, ids: torch.Tensor) -> tuple[float, VarLenCache]:
     """Seconds for the context prefill including compression, and the resulting cache."""
-    cache = VarLenCache(model.config.num_hidden_layers, Compressor(config))
+    cache = VarLenCache(model.config.num_hidden_layers, Compressor(config, rotary=model_rotary(model)))
     pos = torch.arange(ids.shape[1])[None]
     t0 = time.perf_counter()
     run_chunk(model, cache, ids, pos, logits_to_keep=1)

@@ -30,6 +30,7 @@ from ..kv.cache import VarLenCache
 from ..kv.capture import CaptureCache
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
+from ..kv.rope import model_rotary
 from .answers import ContextCost, ModelShape, make_answers
 from .batching import Row, rows_for
 from .config import GenerationConfig, ModelConfig
@@ -100,7 +101,7 @@ class Engine:
         priors = None
         if config.head_priors is not None and config.needs_head_priors:
             priors = load_head_priors(config.head_priors, self.shape.num_layers, self.shape.num_kv_heads)
-        return Compressor(config, priors)
+        return Compressor(config, priors, rotary=model_rotary(self.model))
 
     def enable_oom_retry(self, cache_size: float) -> None:
         """Retry a document that ran out of memory once, compressed to ``cache_size`` instead."""

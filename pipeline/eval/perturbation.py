@@ -84,6 +84,7 @@ from ..kv.attention import register_recording
 from ..kv.cache import VarLenCache, run_chunk
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig, method_name
+from ..kv.rope import model_rotary
 from ..kv.scorers.snapkv import snapkv_scores
 from ..kv.store import VarLenLayer
 from ..kv.value_norms import OutputProjection
@@ -210,6 +211,11 @@ def _check_inputs(model, configs: dict[str, CompressionConfig], n: int, t: int) 
         raise ValueError("need a non-empty context and at least one later query token")
     _check_model(model, n + t)
     for name, cfg in configs.items():
+        if Compressor(cfg, torch.zeros(1, 1)).deferred:
+            raise ValueError(
+                f"{name}: the diagnostics analyse each layer as the forward reaches it; methods that "
+                "decide across layers or need reconstruction passes are not supported"
+            )
         if cfg.max_cache_tokens is not None or cfg.query_aware:
             raise ValueError(
                 f"{name}: the diagnostics measure prefill compression only (no max_cache_tokens / query_aware)"
@@ -269,7 +275,8 @@ def analyse_document(
     later = torch.as_tensor(query_ids, dtype=torch.long, device=device).reshape(-1)
     n, t = ctx.numel(), later.numel()
     _check_inputs(model, configs, n, t)
-    compressors = {name: Compressor(cfg, _load_priors(cfg, model)) for name, cfg in configs.items()}
+    rotary = model_rotary(model)
+    compressors = {name: Compressor(cfg, _load_priors(cfg, model), rotary) for name, cfg in configs.items()}
     if window_queries is None:
         window_queries = max((cfg.window for cfg in configs.values()), default=0)
     recorder = _Recorder(compressors, n, window_queries)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from .attention import dense_prefill_attention, varlen_attention
-from .compress import Compressor, LayerSelection
+from .compress import Compressor, LayerSelection, PendingLayer
 from .decode_cap import DecodeCap
 from .store import VarLenLayer
 from .varlen_kernels import choose_kernel, flash_varlen_attention, sdpa_varlen_attention
@@ -89,6 +89,24 @@ class ChunkCache(Cache):
         raise NotImplementedError
 
 
+class _Timer:
+    """Wall time of a block, synchronising CUDA before and after."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.seconds = device, 0.0
+
+    def __enter__(self) -> _Timer:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - self.t0
+
+
 def run_chunk(model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs):
     """One forward of ``model`` over a chunk of tokens with ``cache`` (the only way the caches of this
     package are driven). input_ids, positions: (B, T), positions -1 on padding. The model must use the
@@ -117,6 +135,7 @@ class VarLenCache(ChunkCache):
         self.context_entries: torch.Tensor | None = None  # (B,) kept entries per row after prefill
         self.context_bytes: torch.Tensor | None = None  # (B,) bytes held per row after prefill
         self.cap = DecodeCap(compressor) if compressor.config.max_cache_tokens is not None else None
+        self.pending: list[PendingLayer | None] = [None] * num_layers  # deferred methods, until compressed
 
     @classmethod
     def from_layers(cls, layers: list[VarLenLayer], compressor: Compressor) -> VarLenCache:
@@ -146,6 +165,10 @@ class VarLenCache(ChunkCache):
         idx = module.layer_idx
         if self.chunk_pos is None:
             raise RuntimeError("VarLenCache is driven through run_chunk() (it declares the chunk's positions)")
+        if self.pending[idx] is not None:
+            raise RuntimeError(
+                "the context is not compressed yet: run the reconstruction passes and finish_compression()"
+            )
         if self.store[idx] is None:
             out = dense_prefill_attention(query, key, value, self.chunk_pos, scaling)
             observed = self.compressor.observe(query, self.chunk_pos)
@@ -176,23 +199,48 @@ class VarLenCache(ChunkCache):
             self.cap.after_chunk(idx, layer, probs, self._appended.get(idx))
         return out, kernel
 
-    def compress_into(self, idx: int, module, observed, key, value, key_pos, scaling) -> LayerSelection:
-        """Compress one layer's dense prefill K/V (B, H_kv, n, D) into the store (timed)."""
-        sync = key.is_cuda
-        if sync:
-            torch.cuda.synchronize(key.device)
-        t0 = time.perf_counter()
-        selection = self.compressor.compress_observed(idx, module, observed, key, value, key_pos, scaling)
+    def compress_into(self, idx: int, module, observed, key, value, key_pos, scaling) -> None:
+        """Compress one layer's dense prefill K/V (B, H_kv, n, D) into the store (timed), or keep it
+        pending for a deferred method (compressed with :meth:`finish_compression`)."""
+        if self.compressor.deferred:
+            self.pending[idx] = PendingLayer(module, key, value, key_pos, scaling, observed)
+            if idx == self.num_layers - 1 and not self.compressor.needs_reconstruction:
+                self.finish_compression()
+            return
+        with _Timer(key.device) as timer:
+            selection = self.compressor.compress_observed(idx, module, observed, key, value, key_pos, scaling)
+            self._store_layer(idx, selection, key, value, key_pos)
+        self.compress_seconds += timer.seconds
+        if idx == self.num_layers - 1:
+            self._finish_context()
+
+    @property
+    def awaiting_reconstruction(self) -> bool:
+        """Every layer is pending and the scorer's reconstruction scores are still to come (KVzip)."""
+        return self.compressor.needs_reconstruction and self.pending[-1] is not None
+
+    def finish_compression(self, observed: list | None = None) -> None:
+        """Compress every pending layer at once (deferred methods); ``observed``: per layer, the
+        reconstruction scores (B, H_kv, n) that replace what the prefill observed. The dense K/V are
+        dropped afterwards: the cache then holds only the kept entries."""
+        if any(layer is None for layer in self.pending):
+            raise RuntimeError("finish_compression() needs every layer prefilled")
+        if observed is not None:
+            for layer, obs in zip(self.pending, observed):
+                layer.observed = obs
+        with _Timer(self.pending[0].key.device) as timer:
+            selections = self.compressor.compress_model(self.pending)
+            for idx, (layer, selection) in enumerate(zip(self.pending, selections)):
+                self._store_layer(idx, selection, layer.key, layer.value, layer.key_pos)
+        self.compress_seconds += timer.seconds
+        self.pending = [None] * self.num_layers
+        self._finish_context()
+
+    def _store_layer(self, idx: int, selection: LayerSelection, key, value, key_pos) -> None:
         layer = VarLenLayer.from_dense(key, value, key_pos, selection.keep)
         if self.cap is not None:
             self.cap.init_layer(layer, selection, key_pos)
         self.store[idx] = layer
-        if sync:
-            torch.cuda.synchronize(key.device)
-        self.compress_seconds += time.perf_counter() - t0
-        if idx == self.num_layers - 1:
-            self._finish_context()
-        return selection
 
     def _finish_context(self) -> None:
         self.context_entries = self.entries_per_row()

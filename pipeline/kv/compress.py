@@ -1,11 +1,17 @@
-"""Per-layer compression of a prefilled context: score -> per-head budgets -> selection.
+"""Compression of a prefilled context: score -> per-head budgets -> selection.
 
 :class:`Compressor` is built once per engine from a :class:`~pipeline.kv.config.CompressionConfig`
-(and HeadKV priors as a tensor). For each layer of a prefill the cache calls :meth:`observe` while
-the layer's attention runs (the scorer keeps what it needs of the queries), then
-:meth:`compress_observed` while the dense K/V of that layer are still at hand; it returns which
-entries each (row, KV head) keeps. :meth:`compress_layer` does both in one call. Nothing here
-touches files, Ray or the model beyond ``o_proj``.
+(plus HeadKV priors as a tensor and the model's rotary embedding). For each layer of a prefill the
+cache calls :meth:`observe` while the layer's attention runs (the scorer keeps what it needs of the
+queries), then either
+
+* :meth:`compress_observed` right away (per-layer methods: the dense K/V of one layer exist at a
+  time), or, when the method is :attr:`deferred` (a cross-layer allocation, or a scorer that needs
+  context-reconstruction passes), keeps a :class:`PendingLayer` and calls :meth:`compress_model`
+  once every layer is there (the dense cache of every layer exists until then).
+
+Both return which entries each (row, KV head) keeps. Nothing here touches files, Ray or the model
+beyond ``o_proj``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 
 from .allocation import ALLOCATIONS, row_budgets
 from .config import CompressionConfig
-from .parts import LayerContext
+from .parts import LayerContext, Rotary
 from .scorers import SCORERS
 from .selection import SELECTIONS
 from .value_norms import NormStats, OutputProjection, entry_norms, norms_for_mask
@@ -32,14 +38,31 @@ class LayerSelection:
     head_budget: torch.Tensor
 
 
+@dataclass
+class PendingLayer:
+    """One layer's prefill waiting for a deferred compression: module, dense K/V (B, H_kv, n, D),
+    positions (B, n) (-1 padding), scaling, and what the scorer observed (or, for reconstruction
+    scorers, the pass scores once they are known)."""
+
+    module: torch.nn.Module
+    key: torch.Tensor
+    value: torch.Tensor
+    key_pos: torch.Tensor
+    scaling: float
+    observed: object
+
+
 class Compressor:
     """Applies one compression method to every layer of a prefill (see the module docstring)."""
 
-    def __init__(self, config: CompressionConfig, head_priors: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, config: CompressionConfig, head_priors: torch.Tensor | None = None, rotary: Rotary | None = None
+    ) -> None:
         if config.needs_head_priors and config.compresses and head_priors is None:
             raise ValueError(f"method {config.method!r} needs HeadKV priors (compression.head_priors)")
         self.config = config
         self.head_priors = head_priors
+        self.rotary = rotary
         self.norm_stats = NormStats()
         self._projections: dict[int, OutputProjection] = {}
         self.scorer = SCORERS[config.scorer] if config.compresses else None
@@ -50,6 +73,16 @@ class Compressor:
     def needs_value_norms(self) -> bool:
         """Norms of every kept entry are needed after the prefill (the decode-time cap)."""
         return self.config.max_cache_tokens is not None
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        """The scorer's scores come from context-reconstruction passes after the prefill (KVzip)."""
+        return self.scorer is not None and self.scorer.needs_reconstruction
+
+    @property
+    def deferred(self) -> bool:
+        """Compression waits until every layer is prefilled (see the module docstring)."""
+        return self.scorer is not None and (self.needs_reconstruction or self.allocation.scope == "model")
 
     @property
     def observed_queries(self) -> int:
@@ -66,59 +99,69 @@ class Compressor:
 
     def observe(self, query: torch.Tensor, key_pos: torch.Tensor) -> object:
         """What the scorer keeps of one layer's prefill queries (B, H_q, n, D)."""
-        return self.scorer.observe(query, key_pos, self.config) if self.scorer is not None else None
+        if self.scorer is None:
+            return None
+        return self.scorer.observe(query, key_pos, self.config, self.rotary)
 
     def compress_layer(self, layer_idx, module, query, key, value, key_pos, scaling) -> LayerSelection:
         """:meth:`observe` + :meth:`compress_observed`. query: (B, H_q, m, D) (the last m >=
         :attr:`observed_queries` prefill queries, or all of them); key/value: (B, H_kv, n, D)."""
         return self.compress_observed(layer_idx, module, self.observe(query, key_pos), key, value, key_pos, scaling)
 
-    def compress_observed(
-        self,
-        layer_idx: int,
-        module: torch.nn.Module,
-        observed: object,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_pos: torch.Tensor,
-        scaling: float,
-    ) -> LayerSelection:
-        """Which entries of one layer each (row, KV head) keeps.
+    def compress_observed(self, layer_idx, module, observed, key, value, key_pos, scaling) -> LayerSelection:
+        """Which entries of one layer each (row, KV head) keeps (per-layer methods).
 
         key/value: (B, H_kv, n, D) post-RoPE; key_pos: (B, n) (-1 = padding); observed: from :meth:`observe`.
         """
+        if self.deferred:
+            raise RuntimeError(f"method {self.config.method!r} compresses all layers at once (compress_model)")
+        pending = PendingLayer(module, key, value, key_pos, scaling, observed)
+        if not self.config.compresses:
+            return self._keep_all(layer_idx, pending)
+        ctx = self._context(layer_idx, pending)
+        scores = self.scorer.score(ctx, self.config)
+        return self._select(ctx, scores, self.allocation.head_budgets(scores, ctx, self.config))
+
+    def compress_model(self, layers: list[PendingLayer]) -> list[LayerSelection]:
+        """Which entries of every layer each (row, KV head) keeps, deciding budgets across layers."""
+        contexts = [self._context(idx, layer) for idx, layer in enumerate(layers)]
+        scores = [self.scorer.score(ctx, self.config) for ctx in contexts]
+        budgets = self.allocation.model_head_budgets(scores, contexts, self.config)
+        return [self._select(ctx, s, b) for ctx, s, b in zip(contexts, scores, budgets)]
+
+    def _context(self, layer_idx: int, layer: PendingLayer) -> LayerContext:
         cfg = self.config
-        bsz, h_kv, n, dim = key.shape
-        lengths = (key_pos >= 0).sum(-1)
-        if not cfg.compresses:
-            keep = (key_pos >= 0)[:, None, :].expand(bsz, h_kv, n).clone()
-            budget = lengths[:, None].expand(bsz, h_kv).clone()
-            norms = (
-                self._all_norms(value, keep, self.projection(layer_idx, module, h_kv, dim))
-                if self.needs_value_norms
-                else None
-            )
-            return LayerSelection(keep, norms, budget)
+        _, h_kv, _, dim = layer.key.shape
+        lengths = (layer.key_pos >= 0).sum(-1)
         row_b, row_w = row_budgets(lengths, cfg.cache_size, cfg.budget, cfg.window)
-        ctx = LayerContext(
+        return LayerContext(
             layer_idx=layer_idx,
-            key=key,
-            value=value,
-            key_pos=key_pos,
-            scaling=scaling,
+            key=layer.key,
+            value=layer.value,
+            key_pos=layer.key_pos,
+            scaling=layer.scaling,
             lengths=lengths,
             row_budget=row_b,
             row_window=row_w,
-            observed=observed,
-            projection=lambda: self.projection(layer_idx, module, h_kv, dim),
+            observed=layer.observed,
+            projection=lambda: self.projection(layer_idx, layer.module, h_kv, dim),
             head_priors=self.head_priors,
         )
-        scores = self.scorer.score(ctx, cfg)
-        head_budget = self.allocation.head_budgets(scores, ctx, cfg)
-        keep, norms = self.selection.select(scores, head_budget, ctx, cfg, self.norm_stats)
+
+    def _select(self, ctx: LayerContext, scores: torch.Tensor, head_budget: torch.Tensor) -> LayerSelection:
+        keep, norms = self.selection.select(scores, head_budget, ctx, self.config, self.norm_stats)
         if self.needs_value_norms:
-            norms = self._all_norms(value, keep, ctx.projection(), norms)
+            norms = self._all_norms(ctx.value, keep, ctx.projection(), norms)
         return LayerSelection(keep, norms, head_budget)
+
+    def _keep_all(self, layer_idx: int, layer: PendingLayer) -> LayerSelection:
+        bsz, h_kv, n, dim = layer.key.shape
+        keep = (layer.key_pos >= 0)[:, None, :].expand(bsz, h_kv, n).clone()
+        budget = (layer.key_pos >= 0).sum(-1)[:, None].expand(bsz, h_kv).clone()
+        norms = None
+        if self.needs_value_norms:
+            norms = self._all_norms(layer.value, keep, self.projection(layer_idx, layer.module, h_kv, dim))
+        return LayerSelection(keep, norms, budget)
 
     def _all_norms(
         self, value: torch.Tensor, keep: torch.Tensor, proj: OutputProjection, norms: torch.Tensor | None = None

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # annotations only: config imports the registries, which impo
     from .config import CompressionConfig
     from .value_norms import NormStats, OutputProjection
 
+#: positions (B, n) -> (cos, sin), each (B, n, D): the model's rotary embedding (HF half-split convention)
+Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 @dataclass
 class LayerContext:
@@ -74,16 +77,26 @@ class Part:
 
 
 class Scorer(Part):
-    """Base scores of context entries (see the module docstring for the conventions)."""
+    """Base scores of context entries (see the module docstring for the conventions).
+
+    A scorer with ``needs_reconstruction`` (KVzip) cannot score from the prefill alone: its
+    ``observed`` is filled after the prefill by the engine's context-reconstruction passes
+    (:mod:`pipeline.engine.reconstruction`), so compression waits for every layer.
+    """
+
+    needs_reconstruction: ClassVar[bool] = False
 
     def observed_queries(self, config: CompressionConfig) -> int:
         """How many of the last prefill queries :meth:`observe` keeps (0: none)."""
         return 0
 
-    def observe(self, query: torch.Tensor, key_pos: torch.Tensor, config: CompressionConfig) -> object:
+    def observe(
+        self, query: torch.Tensor, key_pos: torch.Tensor, config: CompressionConfig, rotary: Rotary | None = None
+    ) -> object:
         """What the scorer needs of the prefill queries, kept while the layer's attention runs.
 
-        query: (B, H_q, n, D) post-RoPE. Default: the last :meth:`observed_queries` queries (a
+        query: (B, H_q, n, D) post-RoPE; rotary: the model's RoPE (cos, sin) at given positions, for
+        scorers that need pre-RoPE queries. Default: the last :meth:`observed_queries` queries (a
         view) or None. Called once per layer; a compression sweep keeps the result of every setting.
         """
         tail = self.observed_queries(config)
@@ -95,11 +108,24 @@ class Scorer(Part):
 
 
 class Allocation(Part):
-    """Per-head counts (never which entries)."""
+    """Per-head counts (never which entries).
+
+    ``scope = "layer"``: :meth:`head_budgets` decides one layer from its own scores, right after its
+    prefill attention. ``scope = "model"``: :meth:`model_head_budgets` needs every layer's scores
+    (a cross-layer budget), so the dense cache is held until the prefill ends.
+    """
+
+    scope: ClassVar[str] = "layer"
 
     def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config: CompressionConfig) -> torch.Tensor:
         """scores: (B, H_kv, n) base scores -> (B, H_kv) long kept entries per head."""
         raise NotImplementedError
+
+    def model_head_budgets(
+        self, scores: list[torch.Tensor], contexts: list[LayerContext], config: CompressionConfig
+    ) -> list[torch.Tensor]:
+        """Every layer's counts from every layer's scores (list of (B, H_kv, n)) -> list of (B, H_kv)."""
+        return [self.head_budgets(s, ctx, config) for s, ctx in zip(scores, contexts)]
 
 
 class Selection(Part):

@@ -140,6 +140,112 @@ def knorm_reference(key, window):
     return out
 
 
+def layer_reference(scores, budget):
+    """Cross-layer counts of one row: the L * H * budget best entries over all layers and heads
+    (ties: earlier layer, head, position), counted per (layer, head)."""
+    items = [
+        (-s, layer, head, j)
+        for layer, heads in enumerate(scores)
+        for head, row in enumerate(heads)
+        for j, s in enumerate(row)
+        if s > -math.inf
+    ]
+    items.sort()
+    counts = [[0] * len(heads) for heads in scores]
+    for _, layer, head, _ in items[: budget * len(scores) * len(scores[0])]:
+        counts[layer][head] += 1
+    return counts
+
+
+def defensivekv_reference(query, key, window, kernel, scaling):
+    """Scores for ONE unpadded row: per KV head, max over the group's query heads and the last
+    ``window`` queries of their causal attention (window keys dropped, avg-pooled, pooled mass
+    restored), clamped from below at its mean over the non-window keys; window +inf."""
+    h_q, n, _ = query.shape
+    h_kv = key.shape[0]
+    g = h_q // h_kv
+    w = min(window, n)
+    keys = n - w
+    out = []
+    for kh in range(h_kv):
+        best = [-math.inf] * keys
+        for h in range(kh * g, (kh + 1) * g):
+            for qi in range(n - w, n):
+                logits = [float(query[h, qi] @ key[kh, j]) * scaling if j <= qi else -math.inf for j in range(n)]
+                m = max(logits)
+                exps = [math.exp(x - m) if x > -math.inf else 0.0 for x in logits]
+                z = sum(exps)
+                row = [exps[j] / z for j in range(keys)]
+                if kernel > 1:
+                    r = kernel // 2
+                    pooled = [
+                        sum(row[i] for i in range(j - r, j + r + 1) if 0 <= i < keys) / kernel for j in range(keys)
+                    ]
+                    total = sum(pooled)
+                    row = [p * sum(row) / total for p in pooled] if total > 0 else pooled
+                best = [max(a, b) for a, b in zip(best, row)]
+        mean = sum(best) / max(keys, 1)
+        out.append([max(b, mean) for b in best] + [math.inf] * w)
+    return out
+
+
+def rope_angles(position, dim, base=10000.0):
+    """Angles of the standard RoPE at one position: [pos * base^(-2i/dim) for i < dim/2]."""
+    return [position * base ** (-2 * i / dim) for i in range(dim // 2)]
+
+
+def rope_matrix(angles, dim):
+    """The D x D rotation of HF's half-split RoPE for these angles (pairs i, i + D/2)."""
+    half = dim // 2
+    r = [[0.0] * dim for _ in range(dim)]
+    for i, a in enumerate(angles):
+        c, s = math.cos(a), math.sin(a)
+        r[i][i], r[i][i + half], r[i + half][i], r[i + half][i + half] = c, -s, s, c
+    return r
+
+
+def _matvec(m, v):
+    return [sum(m[i][j] * v[j] for j in range(len(v))) for i in range(len(m))]
+
+
+def expected_attention_reference(query, key, value, window, sinks, future, covariance, vnorm, eps, scaling_dim):
+    """Scores for ONE unpadded row from post-RoPE queries at positions 0..n-1 (standard RoPE)."""
+    h_q, n, d = query.shape
+    h_kv = key.shape[0]
+    g = h_q // h_kv
+    rot = [rope_matrix(rope_angles(p, d), d) for p in range(n)]
+    future_mean = [
+        [sum(rope_matrix(rope_angles(n + f, d), d)[i][j] for f in range(future)) / future for j in range(d)]
+        for i in range(d)
+    ]
+    out = []
+    for kh in range(h_kv):
+        per_head = []
+        for h in range(kh * g, (kh + 1) * g):
+            pre = [_matvec(list(map(list, zip(*rot[t]))), query[h, t].tolist()) for t in range(sinks, n)]
+            mu = [sum(v[i] for v in pre) / len(pre) for i in range(d)]
+            cov = [[sum((v[i] - mu[i]) * (v[j] - mu[j]) for v in pre) / len(pre) for j in range(d)] for i in range(d)]
+            mu2 = _matvec(future_mean, mu)
+            rc = [[sum(future_mean[i][a] * cov[a][b] for a in range(d)) for b in range(d)] for i in range(d)]
+            cov2 = [[sum(rc[i][b] * future_mean[j][b] for b in range(d)) for j in range(d)] for i in range(d)]
+            logits = []
+            for j in range(n):
+                k = key[kh, j].tolist()
+                z = sum(a * b for a, b in zip(mu2, k)) / math.sqrt(scaling_dim)
+                if covariance:
+                    z += sum(k[a] * cov2[a][b] * k[b] for a in range(d) for b in range(d)) / (2 * scaling_dim)
+                logits.append(z if j >= sinks else -math.inf)
+            m = max(logits)
+            exps = [math.exp(x - m) if x > -math.inf else 0.0 for x in logits]
+            per_head.append([e / sum(exps) for e in exps])
+        row = [sum(p[j] for p in per_head) / g for j in range(n)]
+        if vnorm:
+            row = [(x + eps) * math.sqrt(sum(float(t) ** 2 for t in value[kh, j])) for j, x in enumerate(row)]
+        w = min(window, n)
+        out.append([math.inf if (j < sinks or j >= n - w) else row[j] for j in range(n)])
+    return out
+
+
 # ---------------------------------------------------------------------- per-part references
 # Every registered part has one here (tests/kv/test_parts.py fails for a part without one).
 # Scorers: (query (H_q, n, D), key (H_kv, n, D), value, window, config, scaling) -> [H_kv][n] for ONE unpadded row.
@@ -148,12 +254,28 @@ SCORER_REFERENCES = {
     "streamingllm": lambda q, k, v, w, cfg, scaling: [streamingllm_reference(k.shape[1], w, cfg.sink_tokens)]
     * k.shape[0],
     "knorm": lambda q, k, v, w, cfg, scaling: knorm_reference(k, w),
+    "defensivekv": lambda q, k, v, w, cfg, scaling: defensivekv_reference(q, k, w, cfg.defensive_kernel, scaling),
+    "expected_attention": lambda q, k, v, w, cfg, scaling: expected_attention_reference(
+        q,
+        k,
+        v,
+        w,
+        cfg.sink_tokens,
+        cfg.future_positions,
+        cfg.use_covariance,
+        cfg.use_vnorm and cfg.selection != "criticalkv",
+        cfg.vnorm_epsilon,
+        q.shape[-1],
+    ),
 }
-# Allocations: (scores [H][n], budget, window, length, config, priors [L][H] or None, layer) -> [H] counts.
+# Allocations: (scores [L][H][n], budget, window, length, config, priors [L][H]) -> [L][H] counts.
 ALLOCATION_REFERENCES = {
-    "uniform": lambda s, b, w, n, cfg, priors, layer: [b] * len(s),
-    "adakv": lambda s, b, w, n, cfg, priors, layer: adakv_reference(s, b, cfg.alpha_safeguard),
-    "headkv": lambda s, b, w, n, cfg, priors, layer: headkv_reference(priors, layer, b, w, n, cfg.alpha_safeguard),
+    "uniform": lambda s, b, w, n, cfg, priors: [[b] * len(layer) for layer in s],
+    "adakv": lambda s, b, w, n, cfg, priors: [adakv_reference(layer, b, cfg.alpha_safeguard) for layer in s],
+    "headkv": lambda s, b, w, n, cfg, priors: [
+        headkv_reference(priors, i, b, w, n, cfg.alpha_safeguard) for i in range(len(s))
+    ],
+    "layer": lambda s, b, w, n, cfg, priors: layer_reference(s, b),
 }
 # Selections: (scores [n], value (n, D), o_weight, kv_head, groups, head_dim, budget, window, config) -> kept indices.
 SELECTION_REFERENCES = {

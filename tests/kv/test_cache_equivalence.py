@@ -24,6 +24,7 @@ from pipeline.kv.attention import register
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
+from pipeline.kv.rope import model_rotary
 from tests.methods import ALL_METHODS, COMPRESSING, one_method_per_part
 from tests.tiny import DEVICE, tiny_model
 
@@ -52,7 +53,7 @@ def _compressor(model, method, cache_size, tmp_path, **kw) -> Compressor:
     if cfg.needs_head_priors:
         path = _priors_file(model, tmp_path)
         priors = load_head_priors(path, model.config.num_hidden_layers, model.config.num_key_value_heads)
-    return Compressor(cfg, priors)
+    return Compressor(cfg, priors, rotary=model_rotary(model))
 
 
 def _inputs(seed=0, batch=2):

@@ -41,6 +41,14 @@ def _batch(seed=0):
     return q, k, v, pos
 
 
+def rotary(positions):
+    """Standard RoPE (base 10000) for head_dim D, as a model's rotary embedding returns it."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None):
     lengths = (pos >= 0).sum(-1)
     row_b, row_w = row_budgets(lengths, config.cache_size, config.budget, config.window)
@@ -54,14 +62,15 @@ def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None):
         lengths=lengths,
         row_budget=row_b,
         row_window=row_w,
-        observed=scorer.observe(q, pos, config),
+        observed=scorer.observe(q, pos, config, rotary),
         projection=lambda: proj,
         head_priors=priors,
     )
 
 
 def _config(**parts):
-    return CompressionConfig(method=method_name(**parts), cache_size=0.3, window=WINDOW, kernel=3)
+    # small future horizon: the naive ExpectedAttention reference builds every rotation by hand
+    return CompressionConfig(method=method_name(**parts), cache_size=0.3, window=WINDOW, kernel=3, future_positions=7)
 
 
 @pytest.mark.parametrize("name", list(SCORERS))
@@ -98,21 +107,25 @@ def _peaked_scores(seed, n):
 
 @pytest.mark.parametrize("name", list(ALLOCATIONS))
 def test_allocation_matches_reference(name):
+    """Every allocation through ``model_head_budgets`` (two layers' scores at once; per-layer
+    allocations decide each layer alone) against its reference."""
     assert name in ALLOCATION_REFERENCES, f"allocation {name!r} has no naive reference in tests/kv/reference.py"
     cfg = _config(scorer="snapkv", allocation=name)
     n = max(LENGTHS)
-    scores, pos = _peaked_scores(3, n)
+    scores = [_peaked_scores(3 + layer, n)[0] for layer in range(2)]
+    pos = _peaked_scores(3, n)[1]
     priors = torch.tensor([[0.9, 0.1], [0.3, 0.6]], dtype=torch.float64)
     _, k, v, _ = _batch(2)
-    for layer in range(priors.shape[0]):
-        ctx = _context(cfg, k[:, :1].expand(-1, H_Q, -1, -1), k, v, pos, SCORERS["snapkv"], layer, priors)
-        got = ALLOCATIONS[name].head_budgets(scores, ctx, cfg)
-        for b, length in enumerate(LENGTHS):
-            budget, window = int(ctx.row_budget[b]), int(ctx.row_window[b])
-            ref = ALLOCATION_REFERENCES[name](
-                scores[b, :, n - length :].tolist(), budget, window, length, cfg, priors.tolist(), layer
-            )
-            assert got[b].tolist() == ref
+    contexts = [
+        _context(cfg, k[:, :1].expand(-1, H_Q, -1, -1), k, v, pos, SCORERS["snapkv"], layer, priors)
+        for layer in range(2)
+    ]
+    got = ALLOCATIONS[name].model_head_budgets(scores, contexts, cfg)
+    for b, length in enumerate(LENGTHS):
+        budget, window = int(contexts[0].row_budget[b]), int(contexts[0].row_window[b])
+        rows = [s[b, :, n - length :].tolist() for s in scores]
+        ref = ALLOCATION_REFERENCES[name](rows, budget, window, length, cfg, priors.tolist())
+        assert [g[b].tolist() for g in got] == ref
 
 
 @pytest.mark.parametrize("name", list(SELECTIONS))

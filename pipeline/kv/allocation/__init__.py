@@ -1,7 +1,7 @@
 """Allocations: one module each, registered here by name (see :mod:`pipeline.kv.parts`)."""
 
 from ..parts import Allocation, Registry
-from . import adakv, headkv, uniform
+from . import adakv, headkv, layer, uniform
 from .common import row_budgets
 
 ALLOCATIONS: Registry[Allocation] = Registry(
@@ -10,6 +10,7 @@ ALLOCATIONS: Registry[Allocation] = Registry(
         uniform.Uniform(),
         adakv.AdaKV(),
         headkv.HeadKVAllocation(),
+        layer.LayerAllocation(),
     ],
 )
 

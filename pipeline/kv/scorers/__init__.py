@@ -1,7 +1,7 @@
 """Scorers: one module each, registered here by name (see :mod:`pipeline.kv.parts`)."""
 
 from ..parts import Registry, Scorer
-from . import knorm, snapkv, streamingllm
+from . import defensivekv, expected_attention, knorm, snapkv, streamingllm
 
 SCORERS: Registry[Scorer] = Registry(
     "scorer",
@@ -9,5 +9,7 @@ SCORERS: Registry[Scorer] = Registry(
         snapkv.SnapKV(),
         streamingllm.StreamingLLM(),
         knorm.KNorm(),
+        defensivekv.DefensiveKV(),
+        expected_attention.ExpectedAttention(),
     ],
 )

@@ -4,6 +4,18 @@ row's observation window, ``-inf`` on padding."""
 from __future__ import annotations
 
 import torch
+from pydantic import BaseModel, Field
+
+
+class SinkOptions(BaseModel):
+    """Attention sinks (StreamingLLM, ExpectedAttention)"""
+
+    sink_tokens: int = Field(4, ge=0, description="first tokens always kept (attention sinks)")
+
+
+def sink_mask(key_pos: torch.Tensor, sink_tokens: int) -> torch.Tensor:
+    """(B, n) bool: the first ``sink_tokens`` real tokens of each row."""
+    return (key_pos >= 0) & (key_pos < sink_tokens)
 
 
 def window_mask(key_pos: torch.Tensor, window: torch.Tensor) -> torch.Tensor:

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, Field
 
 from ..parts import LayerContext, Scorer
-from .common import finalise
-
-
-class StreamingLLMOptions(BaseModel):
-    """StreamingLLM scorer"""
-
-    sink_tokens: int = Field(4, ge=0, description="first tokens always kept (attention sinks)")
+from .common import SinkOptions, finalise, sink_mask
 
 
 def streamingllm_scores(key_pos: torch.Tensor, num_heads: int, window: torch.Tensor, sink_tokens: int) -> torch.Tensor:
@@ -22,14 +15,13 @@ def streamingllm_scores(key_pos: torch.Tensor, num_heads: int, window: torch.Ten
     otherwise (so a top-b selection keeps sinks + the b - sinks most recent tokens).
     """
     scores = (key_pos.float() + 1.0)[:, None, :].expand(-1, num_heads, -1).clone()
-    sinks = (key_pos >= 0) & (key_pos < sink_tokens)
-    scores = scores.masked_fill(sinks[:, None, :], float("inf"))
+    scores = scores.masked_fill(sink_mask(key_pos, sink_tokens)[:, None, :], float("inf"))
     return finalise(scores, key_pos, window)
 
 
 class StreamingLLM(Scorer):
     name = "streamingllm"
-    options = StreamingLLMOptions
+    options = SinkOptions
     summary = "attention sinks + most recent tokens (arXiv 2309.17453)"
 
     def score(self, ctx: LayerContext, config) -> torch.Tensor:
