@@ -50,7 +50,9 @@ def rows_for(
     rows = []
     for q, question in enumerate(request.questions):
         prompt = prompts.encode(request.context, [question], request.answer_prefix, **encode)
-        merged = EncodedPrompt(prompt.context_ids + prompt.question_ids[0], [[]], prompt.truncated_tokens)
+        merged = EncodedPrompt(
+            prompt.context_ids + prompt.question_ids[0], [[]], prompt.truncated_tokens, prompt.prefix_tokens
+        )
         rows.append(Row(request, merged, [q]))
     return rows
 

@@ -39,6 +39,7 @@ from .loading import LoadedModel, load_model
 from .memory import PeakMemory, device_label, now
 from .priors import load_head_priors, resolve_head_priors
 from .prompts import PromptBuilder
+from .reconstruction import ContextReconstruction
 from .types import Answer, Request, Setting
 
 BatchRunner = Callable[[list[Row]], list[Answer]]
@@ -78,6 +79,7 @@ class Engine:
         self.prompts = PromptBuilder(self.tokenizer, use_chat_template)
         self.model.set_attn_implementation(register_attention())
         self.decoder = Decoder(self.model, self.tokenizer, self.device)
+        self.reconstruction = ContextReconstruction(self.model, self.prompts, self.decoder.pad_id, self.device)
 
     @classmethod
     def from_config(
@@ -134,8 +136,34 @@ class Engine:
         inspect what was kept: ``cache.kept_positions(layer, 0, kv_head)`` gives the original token
         positions (0 = first context token after the chat-template head) held for that head."""
         cache = VarLenCache(self.shape.num_layers, self.compressor)
-        self.decoder.prefill(self._rows_for(request)[:1], cache, self.compression.cache_size)
+        rows = self._rows_for(request)[:1]
+        self.decoder.prefill(rows, cache, self.compression.cache_size)
+        self._reconstruct(rows, cache)
         return cache
+
+    def _reconstruct(self, rows: list[Row], cache: VarLenCache) -> None:
+        """KVzip: the reconstruction passes, then the deferred compression (both in ``compress_s``)."""
+        if not cache.awaiting_reconstruction:
+            return
+        cfg = cache.compressor.config
+        t0 = now(self.device)
+        contexts, prefixes = [r.prompt.context_ids for r in rows], [r.prompt.prefix_tokens for r in rows]
+        scores = self.reconstruction.scores(contexts, prefixes, cache.pending, cfg.reconstruction_chunk, cfg.kvzip_plus)
+        cache.compress_seconds += now(self.device) - t0
+        cache.finish_compression(scores)
+
+    def _sweep_reconstructions(self, rows: list[Row], capture: CaptureCache) -> dict:
+        """Reconstruction scores once per distinct (chunk, KVzip+) among the swept settings, with their seconds."""
+        out = {}
+        for compressor in capture.compressors:
+            key = _reconstruction_key(compressor)
+            if key is None or key in out:
+                continue
+            t0 = now(self.device)
+            contexts, prefixes = [r.prompt.context_ids for r in rows], [r.prompt.prefix_tokens for r in rows]
+            scores = self.reconstruction.scores(contexts, prefixes, capture.pending_layers(), *key)
+            out[key] = (scores, now(self.device) - t0)
+        return out
 
     # ------------------------------------------------------------------ error isolation
     def _generate(self, requests: list[Request], variants: int, run: BatchRunner) -> list[list[Answer]]:
@@ -207,6 +235,7 @@ class Engine:
             t0 = now(self.device)
             cache = VarLenCache(self.shape.num_layers, compressor)
             ctx_len, logits = self.decoder.prefill(rows, cache, compressor.config.cache_size)
+            self._reconstruct(rows, cache)
             prefill_s = now(self.device) - t0
             per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits)
         cost = ContextCost(
@@ -228,12 +257,13 @@ class Engine:
             t0 = now(self.device)
             ctx_len, logits = self.decoder.prefill(rows, capture, 1.0)
             prefill_s = now(self.device) - t0
-            for index in range(len(compressors)):
-                cache = capture.compressed(index)
+            passes = self._sweep_reconstructions(rows, capture)
+            for index, compressor in enumerate(compressors):
+                scores, pass_s = passes.get(_reconstruction_key(compressor), (None, 0.0))
+                cache = capture.compressed(index, observed=scores)
                 per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits)
-                results.append(
-                    (cache.context_entries.tolist(), cache.context_bytes.tolist(), cache.compress_seconds, per_round)
-                )
+                compress_s = cache.compress_seconds + pass_s
+                results.append((cache.context_entries.tolist(), cache.context_bytes.tolist(), compress_s, per_round))
                 del cache  # one derived cache alive at a time
         answers = []
         for compressor, (entries, kept_bytes, compress_s, per_round) in zip(compressors, results):
@@ -242,6 +272,13 @@ class Engine:
             setting = Setting(cfg.method, cfg.cache_size, cfg.budget)
             answers += make_answers(rows, ctx_len.tolist(), per_round, cost, self.shape, setting)
         return answers
+
+
+def _reconstruction_key(compressor: Compressor) -> tuple | None:
+    """What a setting's reconstruction scores depend on (None: it needs none)."""
+    if not compressor.needs_reconstruction:
+        return None
+    return compressor.config.reconstruction_chunk, compressor.config.kvzip_plus
 
 
 def _store(answers: dict, batch: list[tuple[int, Row]], results: list[Answer], variants: int) -> None:

@@ -26,9 +26,12 @@ class ContextTooLongError(ValueError):
 
 @dataclass
 class EncodedPrompt:
+    """context_ids = prefix (BOS + template head, ``prefix_tokens`` of them) + body + separator."""
+
     context_ids: list[int]
     question_ids: list[list[int]]
     truncated_tokens: int
+    prefix_tokens: int = 0
 
 
 class PromptBuilder:
@@ -50,6 +53,14 @@ class PromptBuilder:
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+        return self._ids(text)
+
+    def tail_ids(self) -> list[int]:
+        """The template tail that follows the user's text: end of user turn + assistant header."""
+        return self._ids(self.tail)
 
     def encode(
         self,
@@ -83,4 +94,4 @@ class PromptBuilder:
                 else:
                     half = room // 2
                     body = body[:half] + body[len(body) - (room - half) :]
-        return EncodedPrompt(self.bos + head + body + sep, question_ids, truncated)
+        return EncodedPrompt(self.bos + head + body + sep, question_ids, truncated, len(self.bos) + len(head))

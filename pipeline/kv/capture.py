@@ -16,7 +16,7 @@ import torch
 
 from .attention import dense_prefill_attention
 from .cache import ChunkCache, VarLenCache
-from .compress import Compressor
+from .compress import Compressor, PendingLayer
 
 
 @dataclass
@@ -54,8 +54,9 @@ class CaptureCache(ChunkCache):
         """A copy of query views, so that the prefill's full query tensor can be freed."""
         return observed.clone() if isinstance(observed, torch.Tensor) else observed
 
-    def compressed(self, index: int) -> VarLenCache:
-        """The cache compressor ``index`` builds from the captured prefill."""
+    def compressed(self, index: int, observed: list | None = None) -> VarLenCache:
+        """The cache compressor ``index`` builds from the captured prefill (``observed``: per layer,
+        reconstruction scores for a scorer that needs them)."""
         compressor = self.compressors[index]
         cache = VarLenCache(self.num_layers, compressor)
         for idx, layer in enumerate(self.captured):
@@ -65,4 +66,12 @@ class CaptureCache(ChunkCache):
             cache.compress_into(
                 idx, layer.module, layer.observed[index], layer.key, layer.value, layer.key_pos, layer.scaling
             )
+        if cache.awaiting_reconstruction:
+            if observed is None:
+                raise ValueError(f"{compressor.config.method}: reconstruction scores are needed (observed=)")
+            cache.finish_compression(observed)
         return cache
+
+    def pending_layers(self) -> list[PendingLayer]:
+        """The captured layers as pending layers (what the reconstruction passes read)."""
+        return [PendingLayer(c.module, c.key, c.value, c.key_pos, c.scaling, None) for c in self.captured]

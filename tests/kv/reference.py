@@ -248,14 +248,21 @@ def expected_attention_reference(query, key, value, window, sinks, future, covar
 
 # ---------------------------------------------------------------------- per-part references
 # Every registered part has one here (tests/kv/test_parts.py fails for a part without one).
-# Scorers: (query (H_q, n, D), key (H_kv, n, D), value, window, config, scaling) -> [H_kv][n] for ONE unpadded row.
+# Scorers: (query (H_q, n, D), key (H_kv, n, D), value, window, config, scaling, observed=the pass scores of
+# a reconstruction scorer) -> [H_kv][n] for ONE unpadded row.
 SCORER_REFERENCES = {
-    "snapkv": lambda q, k, v, w, cfg, scaling: snapkv_reference(q, k, q.shape[1], w, cfg.kernel, cfg.pooling, scaling),
-    "streamingllm": lambda q, k, v, w, cfg, scaling: [streamingllm_reference(k.shape[1], w, cfg.sink_tokens)]
+    "snapkv": lambda q, k, v, w, cfg, scaling, observed=None: snapkv_reference(
+        q, k, q.shape[1], w, cfg.kernel, cfg.pooling, scaling
+    ),
+    "streamingllm": lambda q, k, v, w, cfg, scaling, observed=None: [
+        streamingllm_reference(k.shape[1], w, cfg.sink_tokens)
+    ]
     * k.shape[0],
-    "knorm": lambda q, k, v, w, cfg, scaling: knorm_reference(k, w),
-    "defensivekv": lambda q, k, v, w, cfg, scaling: defensivekv_reference(q, k, w, cfg.defensive_kernel, scaling),
-    "expected_attention": lambda q, k, v, w, cfg, scaling: expected_attention_reference(
+    "knorm": lambda q, k, v, w, cfg, scaling, observed=None: knorm_reference(k, w),
+    "defensivekv": lambda q, k, v, w, cfg, scaling, observed=None: defensivekv_reference(
+        q, k, w, cfg.defensive_kernel, scaling
+    ),
+    "expected_attention": lambda q, k, v, w, cfg, scaling, observed=None: expected_attention_reference(
         q,
         k,
         v,
@@ -267,6 +274,9 @@ SCORER_REFERENCES = {
         cfg.vnorm_epsilon,
         q.shape[-1],
     ),
+    "kvzip": lambda q, k, v, w, cfg, scaling, observed=None: [
+        [math.inf if j >= len(row) - min(w, len(row)) else row[j] for j in range(len(row))] for row in observed
+    ],
 }
 # Allocations: (scores [L][H][n], budget, window, length, config, priors [L][H]) -> [L][H] counts.
 ALLOCATION_REFERENCES = {

@@ -79,12 +79,20 @@ def test_scorer_matches_reference(name):
     cfg = _config(scorer=name)
     q, k, v, pos = _batch(1)
     scorer = SCORERS[name]
-    got = scorer.score(_context(cfg, q, k, v, pos, scorer), cfg)
+    ctx = _context(cfg, q, k, v, pos, scorer)
+    passes = None
+    if scorer.needs_reconstruction:  # its algorithm is in the passes (tests/kv/test_kvzip.py): here the conventions
+        passes = torch.rand(2, H_KV, max(LENGTHS), generator=torch.Generator().manual_seed(4))
+        ctx.observed = passes
+    got = scorer.score(ctx, cfg)
     assert got.shape == (2, H_KV, max(LENGTHS)) and got.dtype == torch.float32
     for b, length in enumerate(LENGTHS):
         pad = max(LENGTHS) - length
         assert torch.isneginf(got[b, :, :pad]).all(), "padding must score -inf"
-        ref = SCORER_REFERENCES[name](q[b, :, pad:], k[b, :, pad:], v[b, :, pad:], min(WINDOW, length), cfg, D**-0.5)
+        observed = None if passes is None else passes[b, :, pad:].tolist()
+        ref = SCORER_REFERENCES[name](
+            q[b, :, pad:], k[b, :, pad:], v[b, :, pad:], min(WINDOW, length), cfg, D**-0.5, observed=observed
+        )
         for h in range(H_KV):
             for j in range(length):
                 if math.isinf(ref[h][j]):

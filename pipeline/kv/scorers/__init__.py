@@ -1,7 +1,7 @@
 """Scorers: one module each, registered here by name (see :mod:`pipeline.kv.parts`)."""
 
 from ..parts import Registry, Scorer
-from . import defensivekv, expected_attention, knorm, snapkv, streamingllm
+from . import defensivekv, expected_attention, knorm, kvzip, snapkv, streamingllm
 
 SCORERS: Registry[Scorer] = Registry(
     "scorer",
@@ -11,5 +11,6 @@ SCORERS: Registry[Scorer] = Registry(
         knorm.KNorm(),
         defensivekv.DefensiveKV(),
         expected_attention.ExpectedAttention(),
+        kvzip.KVzip(),
     ],
 )
