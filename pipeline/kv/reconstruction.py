@@ -22,13 +22,12 @@ as padding only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .cache import ChunkCache
 from .compress import PendingLayer
 from .value_norms import OutputProjection
 
-_QUERY_BLOCK = 256
+_QUERY_BLOCK = 64
 
 
 def gather_positions(key_pos: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor):
@@ -43,18 +42,6 @@ def gather_positions(key_pos: torch.Tensor, starts: torch.Tensor, ends: torch.Te
     valid = offsets < (ends - starts).clamp(min=0)[:, None]
     index = (pad + starts)[:, None] + offsets
     return index.clamp(max=n - 1).masked_fill(~valid, 0), valid
-
-
-def pass_attention(query, ctx_key, ctx_value, ctx_pos, key, value, query_pos, scaling) -> torch.Tensor:
-    """Attention of the pass's queries (B, H_q, T, D) over the context (B, H_kv, n, D) and the pass's
-    own keys (B, H_kv, T, D), causally among the latter. Returns (B, H_q, T, D)."""
-    own_pos = query_pos  # the pass's own keys are its tokens
-    ctx_ok = (ctx_pos >= 0)[:, None, :].expand(-1, query.shape[2], -1)  # (B, T, n)
-    own_ok = (own_pos[:, None, :] >= 0) & (own_pos[:, None, :] <= query_pos[:, :, None])  # (B, T, T)
-    mask = torch.cat([ctx_ok, own_ok], dim=-1)[:, None]  # (B, 1, T, n + T)
-    keys = torch.cat([ctx_key, key.to(ctx_key.dtype)], dim=2).to(query.dtype)
-    values = torch.cat([ctx_value, value.to(ctx_value.dtype)], dim=2).to(query.dtype)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
 
 
 class ReconstructionCache(ChunkCache):
@@ -76,56 +63,87 @@ class ReconstructionCache(ChunkCache):
         self._projections: dict[int, OutputProjection] = {}
 
     def attend(self, module, query, key, value, scaling) -> torch.Tensor:
+        """The pass's attention output (B, H_q, T, D); the chunk's scores as a side effect.
+
+        One float32 softmax over context + own keys per query block gives both: the output, and the
+        KVzip weights, since a softmax restricted to a subset of keys is the full softmax divided by
+        the subset's mass (here: everything but the context entries outside the sinks and chunk).
+        A block of queries only reads the own keys up to its last query (causal).
+        """
         idx = module.layer_idx
         ctx = self.context[idx]
-        out = pass_attention(query, ctx.key, ctx.value, ctx.key_pos, key, value, self.chunk_pos, scaling)
-        self._score(idx, module, query, key, scaling)
-        return out
-
-    def _score(self, idx: int, module, query, key, scaling) -> None:
-        ctx = self.context[idx]
-        bsz, h_kv, _, dim = ctx.key.shape
-        (c_idx, c_ok), (s_idx, s_ok) = self.chunk, self.sink
-        index = torch.cat([s_idx, c_idx], dim=1)  # (B, S + M)
-        gathered = torch.gather(ctx.key, 2, index[:, None, :, None].expand(-1, h_kv, -1, dim)).float()
-        keys = torch.cat([gathered, key.float()], dim=2)  # (B, H_kv, S + M + T, D)
+        bsz, h_kv, n, dim = ctx.key.shape
+        h_q, t = query.shape[1], query.shape[2]
+        keys = torch.cat([ctx.key, key.to(ctx.key.dtype)], dim=2).float()  # (B, H_kv, n + T, D)
+        values = torch.cat([ctx.value, value.to(ctx.value.dtype)], dim=2).float()
+        q = (query.float() * scaling).view(bsz, h_kv, h_q // h_kv, t, dim)  # group-major, scaled once
+        c_idx, c_ok = self.chunk
+        self._own_padding = bool((self.chunk_pos < 0).any())
+        excluded = self._excluded(ctx.key_pos)[:, None, None, :, None]  # (B, 1, 1, n, 1)
+        ctx_hidden = (ctx.key_pos < 0)[:, None, None, None, :] if bool((ctx.key_pos < 0).any()) else None
         weight = self._value_weight(idx, module, ctx, c_idx) if self.kvzip_plus else None
+        out = torch.empty_like(query)
         best = torch.full((bsz, h_kv, c_idx.shape[1]), float("-inf"), device=ctx.key.device)
-        for begin in range(0, query.shape[2], _QUERY_BLOCK):
-            block = slice(begin, begin + _QUERY_BLOCK)
-            probs = self._chunk_probs(query[:, :, block], keys, s_ok, c_ok, self.chunk_pos[:, block], scaling)
+        for begin in range(0, t, _QUERY_BLOCK):
+            end = min(begin + _QUERY_BLOCK, t)
+            probs = self._probs(q[:, :, :, begin:end], keys[:, :, : n + end], ctx_hidden, begin, n)
+            rows = probs.reshape(bsz, h_kv, -1, n + end)  # (B, H_kv, G*Tb, n + end): one batched matmul per KV head
+            out[:, :, begin:end] = torch.matmul(rows, values[:, :, : n + end]).view(bsz, h_q, end - begin, dim)
+            chunk = self._chunk_weights(probs[..., :n], excluded, c_idx)  # (B, H_kv, G, Tb, M)
             if weight is not None:
-                probs = probs * weight[:, :, None, :] / self._hidden_norm(idx, block)[:, None, :, None]
-            q_ok = (self.chunk_pos[:, block] >= 0)[:, None, :, None]
-            probs = probs.masked_fill(~q_ok, float("-inf")).amax(2)  # (B, H_q, M)
-            best = torch.maximum(best, probs.view(bsz, h_kv, -1, probs.shape[-1]).amax(2))
+                norms = self._hidden_norm(idx, slice(begin, end))[:, None, None, :, None]
+                chunk = chunk * weight.view(bsz, h_kv, h_q // h_kv, 1, -1) / norms
+            q_ok = (self.chunk_pos[:, begin:end] >= 0)[:, None, None, :, None]
+            best = torch.maximum(best, chunk.masked_fill(~q_ok, float("-inf")).amax(dim=(2, 3)))
         flat = best.masked_fill(~c_ok[:, None, :], float("-inf"))  # padding slots change nothing below
         self.scores[idx].scatter_reduce_(2, c_idx[:, None, :].expand(-1, h_kv, -1), flat, reduce="amax")
+        return out
 
-    def _chunk_probs(self, q, keys, s_ok, c_ok, q_pos, scaling) -> torch.Tensor:
-        """Restricted softmax of a query block over sinks + chunk + own keys -> the chunk columns
-        (B, H_q, Tb, M)."""
-        bsz, h_q, tb, dim = q.shape
-        h_kv = keys.shape[1]
-        logits = torch.matmul(q.float().reshape(bsz, h_kv, -1, dim), keys.transpose(-1, -2)) * scaling
-        logits = logits.view(bsz, h_q, tb, -1)
-        own_pos = self.chunk_pos
-        own_ok = (own_pos[:, None, :] >= 0) & (own_pos[:, None, :] <= q_pos[:, :, None])  # (B, Tb, T)
-        sel_ok = torch.cat([s_ok, c_ok], dim=1)[:, None, :].expand(-1, tb, -1)
-        allowed = torch.cat([sel_ok, own_ok], dim=-1)[:, None]  # (B, 1, Tb, S + M + T)
-        probs = torch.softmax(logits.masked_fill(~allowed, torch.finfo(logits.dtype).min), dim=-1)
-        start = s_ok.shape[1]
-        return probs[..., start : start + c_ok.shape[1]]
+    def _probs(self, q, keys, ctx_hidden, begin: int, n: int) -> torch.Tensor:
+        """Softmax of a scaled query block (B, H_kv, G, Tb, D) over the context and the own keys up to
+        the block's end, float32 -> (B, H_kv, G, Tb, n + end)."""
+        bsz, h_kv, groups, tb, dim = q.shape
+        rows = q.reshape(bsz, h_kv, groups * tb, dim)
+        logits = torch.matmul(rows, keys.transpose(-1, -2)).view(bsz, h_kv, groups, tb, -1)
+        if ctx_hidden is not None:  # left-padded rows: their padding entries are no keys
+            logits[..., :n].masked_fill_(ctx_hidden, torch.finfo(logits.dtype).min)
+        end = logits.shape[-1] - n
+        own_pos = self.chunk_pos[:, :end]  # (B, end)
+        low = begin if not self._own_padding else 0  # own keys before the block: visible unless padding
+        steps = torch.arange(begin, begin + tb, device=q.device)
+        own_ok = (torch.arange(low, end, device=q.device)[None, :] <= steps[:, None])[None] & (
+            own_pos[:, None, low:] >= 0
+        )  # (B, Tb, end - low): causal by index (real tokens of a left-padded pass are in position order)
+        logits[..., n + low :].masked_fill_(~own_ok[:, None, None], torch.finfo(logits.dtype).min)
+        return torch.softmax(logits, dim=-1)
+
+    def _excluded(self, key_pos: torch.Tensor) -> torch.Tensor:
+        """(B, n) float: real context entries that are neither sinks nor in this pass's chunk."""
+        (c_idx, c_ok), (s_idx, s_ok) = self.chunk, self.sink
+        inside = torch.zeros(key_pos.shape, dtype=torch.bool, device=key_pos.device)
+        rows = torch.arange(key_pos.shape[0], device=key_pos.device)[:, None]
+        for index, ok in ((c_idx, c_ok), (s_idx, s_ok)):
+            inside[rows.expand_as(index)[ok], index[ok]] = True
+        return ((key_pos >= 0) & ~inside).float()
+
+    @staticmethod
+    def _chunk_weights(ctx_probs, excluded, c_idx) -> torch.Tensor:
+        """The chunk columns of the restricted softmax: full probabilities / the allowed mass.
+        ctx_probs: (B, H_kv, G, Tb, n) -> (B, H_kv, G, Tb, M)."""
+        bsz, h_kv, groups, tb, _ = ctx_probs.shape
+        mass = 1.0 - torch.matmul(ctx_probs, excluded)  # (B, H_kv, G, Tb, 1)
+        index = c_idx[:, None, None, None, :].expand(-1, h_kv, groups, tb, -1)
+        return torch.gather(ctx_probs, 4, index) / mass.clamp(min=1e-30)
 
     def _value_weight(self, idx: int, module, ctx: PendingLayer, c_idx: torch.Tensor) -> torch.Tensor:
-        """KVzip+: ||V_i W_O^h||_2 of the chunk's entries per query head, (B, H_q, M)."""
+        """KVzip+: ||V_i W_O^h||_2 of the chunk's entries per query head, (B, H_kv, G, M)."""
         bsz, h_kv, _, dim = ctx.value.shape
         proj = self._projections.get(idx)
         if proj is None:
             proj = self._projections[idx] = OutputProjection.from_weight(module.o_proj.weight, h_kv, dim)
         values = torch.gather(ctx.value, 2, c_idx[:, None, :, None].expand(-1, h_kv, -1, dim)).float()
         quad = torch.einsum("bkmd,kgde,bkme->bkgm", values, proj.gram, values).clamp(min=0)
-        return quad.sqrt().reshape(bsz, h_kv * proj.groups, -1)
+        return quad.sqrt()  # (B, H_kv, G, M)
 
     def _hidden_norm(self, idx: int, block: slice) -> torch.Tensor:
         norms = self.hidden_norms.get(idx)
