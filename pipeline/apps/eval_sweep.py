@@ -31,7 +31,7 @@ from pipeline.distributed.driver import JobConfigError, JobFailed, run_job
 from pipeline.engine.config import GenerationConfig
 from pipeline.engine.loading import ModelNotFoundError, resolve_model_path
 from pipeline.eval.scoring import score_answer
-from pipeline.eval.sweep import ruler_documents, sweep_settings, token_counter
+from pipeline.eval.sweep import sweep_documents, sweep_settings, token_counter
 from pipeline.options import OptionParser, fail
 from pipeline.report import build_report
 
@@ -50,10 +50,15 @@ class EvalJob(JobConfig):
     """Sweep"""
 
     job: Literal["eval_compression"] = Field("eval_compression", json_schema_extra=HIDDEN)
-    tasks: list[str] = Field(DEFAULT_TASKS, description="RULER tasks")
+    tasks: list[str] = Field(
+        DEFAULT_TASKS,
+        description="RULER tasks, and summary_essay for essay summaries scored "
+        "by ROUGE-L against the full cache's summary",
+    )
     length: int = Field(2048, ge=64, description="prompt length in the model's tokens")
     samples: int = Field(5, ge=1, description="documents per task")
     seed: int = Field(0, description="seed of the generated documents")
+    summary_tokens: int = Field(128, ge=1, description="summary_essay: generated tokens at most")
     methods: list[str] = Field(DEFAULT_METHODS, description="methods swept (spellings as --method)")
     cache_sizes: list[float] = Field(
         [0.2, 0.4, 1.0], description="kept fractions; 1.0 adds the full-cache reference (always run)"
@@ -83,7 +88,17 @@ class EvalJob(JobConfig):
 
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:
-        sweep = ["tasks", "length", "samples", "seed", "methods", "cache_sizes", "output", "report_dir"]
+        sweep = [
+            "tasks",
+            "length",
+            "samples",
+            "seed",
+            "summary_tokens",
+            "methods",
+            "cache_sizes",
+            "output",
+            "report_dir",
+        ]
         rest = super().option_groups()
         return [("sweep", sweep)] + [(title, [n for n in names if n not in sweep]) for title, names in rest]
 
@@ -102,13 +117,14 @@ def write_documents(config: EvalJob) -> Path:
     except (ModelNotFoundError, OSError, ValueError) as exc:
         fail(f"invalid --model: {exc}")
     try:
-        docs = ruler_documents(
+        docs = sweep_documents(
             config.tasks,
             config.length,
             config.samples,
             token_counter(tokenizer),
             seed=config.seed,
             max_new_tokens=config.generation.max_new_tokens,
+            summary_tokens=config.summary_tokens,
         )
     except ValueError as exc:
         fail(f"invalid {exc}")

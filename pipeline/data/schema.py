@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: answer_nll, answer_nll_delta (answer fidelity of sweeps)
 SCHEMA_VERSION_KEY = b"pipeline.schema_version"
 
 # Who fills each column (the single place the output contract is written down):
@@ -58,6 +58,9 @@ _OUTPUT_FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("decode_ms_per_token", pa.float64(), ANSWER),
     ("peak_memory_bytes", pa.int64(), ANSWER),
     ("device", pa.string(), ANSWER),
+    # fidelity (sweeps): mean NLL of the full cache's answer under this row's cache, and minus the full cache's
+    ("answer_nll", pa.float64(), ANSWER),
+    ("answer_nll_delta", pa.float64(), ANSWER),
     ("error", pa.string(), ANSWER),
 )
 

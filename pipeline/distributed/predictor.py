@@ -34,8 +34,8 @@ from pipeline.kv.config import CompressionConfig
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[ModelConfig, CompressionConfig, GenerationConfig], object]
-#: (task, prediction, references) -> score or None
-ScoreFunction = Callable[[str | None, str | None, list[str] | None], float | None]
+#: (task, prediction, references, full-cache prediction of the same question in a sweep) -> score or None
+ScoreFunction = Callable[[str | None, str | None, list[str] | None, str | None], float | None]
 
 
 def resolve_factory(path: str | None) -> EngineFactory:
@@ -181,6 +181,7 @@ class Predictor:
         """Exactly one row per row key of ``doc``, in key order."""
         qids = list(dict.fromkeys(str(q) for q in (doc.get("question_ids") or ["0"])))  # a key once, even if repeated
         refs = doc.get("references") or []
+        full = self._full_cache_predictions(qids, answers)
         rows = []
         for key, (q, setting) in self._keys(qids).items():
             row = {
@@ -196,11 +197,19 @@ class Predictor:
             elif key in answers:
                 row.update(self._answer_columns(answers[key]))
                 if self.score is not None and row.get("error") is None:
-                    row["score"] = self._score(row["task"], row.get("prediction"), row["reference"])
+                    row["score"] = self._score(row["task"], row.get("prediction"), row["reference"], full.get(q))
             else:
                 row["error"] = "internal: the engine returned no answer for this question"
             rows.append(row)
         return rows
+
+    def _full_cache_predictions(self, qids: list[str], answers: dict[str, Answer] | str) -> dict[int, str]:
+        """Question index -> the full-cache setting's prediction, when a sweep includes one."""
+        full = next((s for s, c in zip(self.settings, self.sweep) if not c.compresses), None)
+        if full is None or isinstance(answers, str):
+            return {}
+        found = {i: answers.get(full.question_id(q)) for i, q in enumerate(qids)}
+        return {i: a.prediction for i, a in found.items() if a is not None and a.error is None}
 
     def _keys(self, qids: list[str]) -> dict[str, tuple[int, Setting | None]]:
         """Row key -> (question index, setting or None)."""
@@ -213,9 +222,9 @@ class Predictor:
         row = answer.as_row()
         return {k: v for k, v in row.items() if k in columns_filled_by(ANSWER) or k in columns_filled_by(SETTING)}
 
-    def _score(self, task: str | None, prediction: str | None, reference: list[str] | None) -> float | None:
+    def _score(self, task, prediction, reference, full_cache_prediction) -> float | None:
         try:
-            return self.score(task, prediction, reference)
+            return self.score(task, prediction, reference, full_cache_prediction)
         except Exception:  # noqa: BLE001 - a score that cannot be computed stays empty
             logger.warning("scoring failed for task %r:\n%s", task, traceback.format_exc())
             return None

@@ -39,13 +39,19 @@ def make_answers(
     cost: ContextCost,
     shape: ModelShape,
     setting: Setting | None = None,
+    reference: list[list[RoundResult]] | None = None,
 ) -> list[Answer]:
-    """One :class:`Answer` per (row, question), rows first then their questions in order."""
+    """One :class:`Answer` per (row, question), rows first then their questions in order.
+
+    ``reference``: the full cache's round results of the same rows (sweeps); with it, each answer's
+    ``answer_nll_delta`` is its ``answer_nll`` minus the full cache's on the same question."""
     answers = []
     for b, row in enumerate(rows):
         full_entries = int(ctx_len[b]) * shape.num_layers * shape.num_kv_heads
         for r, q in enumerate(row.question_indices):
             result = per_round[r][b]
+            full = reference[r][b].answer_nll if reference is not None else None
+            delta = result.answer_nll - full if result.answer_nll is not None and full is not None else None
             answers.append(
                 Answer(
                     doc_id=row.request.doc_id,
@@ -65,6 +71,8 @@ def make_answers(
                     decode_ms_per_token=(1000.0 * result.decode_s / result.steps) if result.steps else None,
                     peak_memory_bytes=cost.peak_memory_bytes,
                     device=shape.device_label,
+                    answer_nll=result.answer_nll,
+                    answer_nll_delta=delta,
                     setting=setting,
                 )
             )

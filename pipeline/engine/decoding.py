@@ -8,13 +8,14 @@ round, so one compressed context answers many questions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import hooks
 from ..kv.cache import ChunkCache, VarLenCache, run_chunk
 from .batching import Row, left_pad
+from .fidelity import teacher_forced_nll
 from .memory import now
 
 
@@ -28,6 +29,14 @@ class RoundResult:
     question_s: float  # the round's question prefill (the batch's)
     decode_s: float  # the round's decode steps after the first token (the batch's)
     steps: int
+    token_ids: list[int] = field(default_factory=list)  # the answer's tokens (EOS excluded)
+    stop_id: int | None = None  # the EOS id that ended the answer, None when the limit did
+    answer_nll: float | None = None  # fidelity: mean NLL of the reference answer (engine.fidelity)
+
+    @property
+    def reference_tokens(self) -> list[int]:
+        """What a fidelity measurement teacher-forces: the tokens and the EOS that ended them."""
+        return self.token_ids + ([self.stop_id] if self.stop_id is not None else [])
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -67,19 +76,37 @@ class Decoder:
         return ctx_len, self.forward(cache, ids, pos)
 
     def answer_rounds(
-        self, cache: VarLenCache, rows: list[Row], ctx_len: torch.Tensor, logits: torch.Tensor, limits: list[int]
+        self,
+        cache: VarLenCache,
+        rows: list[Row],
+        ctx_len: torch.Tensor,
+        logits: torch.Tensor,
+        limits: list[int],
+        references: list[list[list[int]]] | None = None,
     ) -> list[list[RoundResult]]:
         """Every question round from one compressed context (rolled back between rounds);
-        ``limits``: each row's max new tokens. Returns [round][row]."""
+        ``limits``: each row's max new tokens; ``references`` ([round][row] token ids): also measure
+        each round's fidelity (:mod:`pipeline.engine.fidelity`). Returns [round][row]."""
         rounds = max(len(r.question_indices) for r in rows)
-        if rounds > 1:
-            cache.snapshot()
+        cache.snapshot()
         per_round = []
         for r in range(rounds):
             if r > 0:
                 cache.restore()
             per_round.append(self._answer_round(cache, rows, r, ctx_len, logits, limits))
+        if references is not None:
+            self.measure_fidelity(cache, rows, ctx_len, logits, per_round, references)
         return per_round
+
+    def measure_fidelity(self, cache, rows, ctx_len, logits, per_round, references) -> None:
+        """Set each round result's ``answer_nll``: the mean NLL of ``references[r][b]`` under ``cache``
+        (which :meth:`answer_rounds` snapshotted at its compressed context)."""
+        for r, results in enumerate(per_round):
+            cache.restore()
+            q_ids = [row.prompt.question_ids[min(r, len(row.prompt.question_ids) - 1)] for row in rows]
+            nll = teacher_forced_nll(self.model, cache, q_ids, references[r], ctx_len, logits, self.pad_id)
+            for result, value in zip(results, nll):
+                result.answer_nll = value
 
     def _answer_round(
         self,
@@ -102,7 +129,7 @@ class Decoder:
             logits = prefill_logits
         q_s = now(self.device) - t0
         t1 = now(self.device)
-        tokens, steps = self._greedy(cache, logits, (ctx_len + q_len).to(self.device), limits)
+        tokens, stops, steps = self._greedy(cache, logits, (ctx_len + q_len).to(self.device), limits)
         decode_s = now(self.device) - t1
         return [
             RoundResult(
@@ -112,16 +139,20 @@ class Decoder:
                 question_s=q_s,
                 decode_s=decode_s,
                 steps=steps,
+                token_ids=tokens[b],
+                stop_id=stops[b],
             )
             for b in range(len(rows))
         ]
 
     def _greedy(
         self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor, limits: list[int]
-    ) -> tuple[list[list[int]], int]:
-        """Greedy tokens per row (EOS excluded) and the number of decode forwards."""
+    ) -> tuple[list[list[int]], list[int | None], int]:
+        """Greedy tokens per row (EOS excluded), the EOS id that ended each row (None: its limit) and
+        the number of decode forwards."""
         bsz = logits.shape[0]
         tokens: list[list[int]] = [[] for _ in range(bsz)]
+        stops: list[int | None] = [None] * bsz
         done = [False] * bsz
         steps = 0
         while True:
@@ -129,12 +160,12 @@ class Decoder:
             for b in range(bsz):
                 if not done[b]:
                     if choice[b] in self.eos_ids:
-                        done[b] = True
+                        done[b], stops[b] = True, choice[b]
                     else:
                         tokens[b].append(choice[b])
                         done[b] = len(tokens[b]) >= limits[b]
             if all(done):
-                return tokens, steps
+                return tokens, stops, steps
             step_ids = torch.tensor(choice, dtype=torch.long, device=self.device)[:, None]
             logits = self.forward(cache, step_ids, next_pos[:, None])
             next_pos = next_pos + 1

@@ -249,28 +249,39 @@ class Engine:
 
     @torch.inference_mode()
     def _run_sweep_batch(self, rows: list[Row], compressors: list[Compressor]) -> list[Answer]:
+        """Every setting from one prefill; the full-cache setting (if swept) runs first and its
+        answers are the references whose likelihood every setting's cache is measured on."""
         meter = PeakMemory(self.device)
         limits = [self._max_new(row.request) for row in rows]
-        results = []
+        order = sorted(range(len(compressors)), key=lambda i: compressors[i].config.compresses)
+        results: dict[int, tuple] = {}
+        reference = None
         with meter:
             capture = CaptureCache(self.shape.num_layers, compressors)
             t0 = now(self.device)
             ctx_len, logits = self.decoder.prefill(rows, capture, 1.0)
             prefill_s = now(self.device) - t0
             passes = self._sweep_reconstructions(rows, capture)
-            for index, compressor in enumerate(compressors):
+            for index in order:
+                compressor = compressors[index]
                 scores, pass_s = passes.get(_reconstruction_key(compressor), (None, 0.0))
                 cache = capture.compressed(index, observed=scores)
-                per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits)
+                refs = None if reference is None else [[x.reference_tokens for x in rnd] for rnd in reference]
+                per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits, refs)
+                if reference is None and not compressor.config.compresses:
+                    own = [[x.reference_tokens for x in rnd] for rnd in per_round]
+                    self.decoder.measure_fidelity(cache, rows, ctx_len, logits, per_round, own)
+                    reference = per_round
                 compress_s = cache.compress_seconds + pass_s
-                results.append((cache.context_entries.tolist(), cache.context_bytes.tolist(), compress_s, per_round))
+                results[index] = (cache.context_entries.tolist(), cache.context_bytes.tolist(), compress_s, per_round)
                 del cache  # one derived cache alive at a time
         answers = []
-        for compressor, (entries, kept_bytes, compress_s, per_round) in zip(compressors, results):
+        for index, compressor in enumerate(compressors):
+            entries, kept_bytes, compress_s, per_round = results[index]
             cfg = compressor.config
             cost = ContextCost(entries, kept_bytes, prefill_s + compress_s, compress_s, meter.peak_bytes)
             setting = Setting(cfg.method, cfg.cache_size, cfg.budget)
-            answers += make_answers(rows, ctx_len.tolist(), per_round, cost, self.shape, setting)
+            answers += make_answers(rows, ctx_len.tolist(), per_round, cost, self.shape, setting, reference)
         return answers
 
 

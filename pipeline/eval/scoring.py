@@ -7,14 +7,17 @@
 from __future__ import annotations
 
 from .longbench import LONGBENCH_DATASET_METRIC
-from .metrics import score
+from .metrics import rouge_l, score
 from .ruler import TASK_METRIC
+from .summaries import SUMMARY_METRIC, SUMMARY_TASK
 
 
 def metric_for_task(task: str | None) -> str | None:
-    """The metric of a RULER task or LongBench dataset name (None when unknown)."""
+    """The metric of a RULER task, LongBench dataset name or the essay summaries (None when unknown)."""
     if not task:
         return None
+    if task == SUMMARY_TASK:
+        return SUMMARY_METRIC
     return TASK_METRIC.get(task) or LONGBENCH_DATASET_METRIC.get(task)
 
 
@@ -25,6 +28,16 @@ def score_prediction(metric: str | None, prediction: str | None, references: lis
     return score(metric, prediction, references)
 
 
-def score_answer(task: str | None, prediction: str | None, references: list[str] | None) -> float | None:
-    """Score of an answer whose document names a known task and has references, else None."""
-    return score_prediction(metric_for_task(task), prediction, references)
+def score_answer(
+    task: str | None, prediction: str | None, references: list[str] | None, full_cache_prediction: str | None = None
+) -> float | None:
+    """Score of an answer whose document names a known task and has references, else None.
+
+    Essay summaries have no references: in a sweep they score ROUGE-L against the full cache's
+    answer to the same question (``full_cache_prediction``), None elsewhere."""
+    metric = metric_for_task(task)
+    if metric == SUMMARY_METRIC:
+        if prediction is None or full_cache_prediction is None:
+            return None
+        return rouge_l(prediction, [full_cache_prediction])
+    return score_prediction(metric, prediction, references)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from ..kv.config import CompressionConfig, method_names
 from .ruler import MAX_NEW_TOKENS, TASKS, generate_task
+from .summaries import SUMMARY_TASK, summary_documents
 
 
 def sweep_settings(methods: list[str], cache_sizes: list[float], base: CompressionConfig) -> list[CompressionConfig]:
@@ -55,7 +56,7 @@ def ruler_documents(
     generation lengths (RULER's 128 for needles is far more than a 7-digit answer needs)."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
-        raise ValueError(f"tasks: unknown {unknown}; choose from {', '.join(TASKS)}")
+        raise ValueError(f"tasks: unknown {unknown}; choose from {', '.join([*TASKS, SUMMARY_TASK])}")
     docs = []
     for task in tasks:
         for row in generate_task(task, length_tokens, count_tokens, samples, seed):
@@ -73,4 +74,22 @@ def ruler_documents(
                     "metric": row["metric"],
                 }
             )
+    return docs
+
+
+def sweep_documents(
+    tasks: list[str],
+    length_tokens: int,
+    samples: int,
+    count_tokens: Callable[[str], int],
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    summary_tokens: int = 128,
+) -> list[dict]:
+    """RULER documents for the RULER tasks among ``tasks`` and essay summaries for ``summary_essay``
+    (generation limit ``summary_tokens``; ``max_new_tokens`` caps the RULER tasks only)."""
+    ruler = [t for t in tasks if t != SUMMARY_TASK]
+    docs = ruler_documents(ruler, length_tokens, samples, count_tokens, seed, max_new_tokens) if ruler else []
+    if SUMMARY_TASK in tasks:
+        docs += summary_documents(length_tokens, samples, count_tokens, seed, summary_tokens)
     return docs

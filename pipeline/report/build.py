@@ -50,6 +50,17 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
             plots.compression_loss(loss, out_dir / "compression_loss.png")
             parts.append("![compression loss](compression_loss.png)\n")
 
+    fid = tables.fidelity(table)
+    if fid:
+        parts += [
+            "## Answer fidelity (NLL of the full cache's answer under each cache, minus the full cache's)\n",
+            "Mean over answered questions, nats per token; 0 = the compressed cache finds the full cache's answer as "
+            "likely as the full cache does. Lower noise than accuracy on few documents.\n",
+            tables.markdown(sorted(fid, key=lambda r: (r["cache_size"], r["nll_delta"]))),
+        ]
+        plots.fidelity(fid, out_dir / "fidelity.png")
+        parts.append("![answer fidelity](fidelity.png)\n")
+
     cost = tables.costs(table)
     if cost:
         parts += ["## Cost per method (medians over rows without error)\n", tables.markdown(cost)]

@@ -12,17 +12,53 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+_LINES = ("-", "--", "-.", ":")
+
 
 def _colours(methods: list[str]) -> dict[str, str]:
-    cmap = plt.get_cmap("tab10")
-    return {m: cmap(i % 10) for i, m in enumerate(sorted(methods))}
+    cmap = plt.get_cmap("tab20")
+    return {m: cmap(i % 20) for i, m in enumerate(sorted(methods))}
+
+
+def _styles(methods: list[str]) -> dict[str, dict]:
+    """A distinct (colour, marker, line style) per method, and a small x offset, so that methods
+    with equal values stay visible side by side instead of drawing on top of each other."""
+    colours = _colours(methods)
+    ordered = sorted(methods)
+    spread = 0.012 * (len(ordered) - 1)
+    return {
+        m: {
+            "color": colours[m],
+            "marker": _MARKERS[i % len(_MARKERS)],
+            "linestyle": _LINES[(i // 20) % len(_LINES)],
+            "offset": (i * 0.024 - spread) if len(ordered) > 1 else 0.0,
+        }
+        for i, m in enumerate(ordered)
+    }
+
+
+def _line(ax, points: list[tuple[float, float]], method: str, style: dict) -> None:
+    if points:
+        xs = [x + style["offset"] * 0.5 for x, _ in points]
+        ax.plot(
+            xs,
+            [y for _, y in points],
+            marker=style["marker"],
+            linestyle=style["linestyle"],
+            color=style["color"],
+            markersize=4,
+            linewidth=1.1,
+            alpha=0.9,
+            label=method,
+        )
 
 
 def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) -> Path:
     """One panel per task plus the average: mean score vs kept fraction, a line per method."""
     panels = ["average"] + [t for t in tasks if t != "all"] if len(tasks) > 1 else ["average"]
     methods = sorted({r["method"] for r in quality_rows if r["method"] != "none"})
-    colours = _colours(methods)
+    styles = _styles(methods)
     cols = min(4, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
@@ -40,8 +76,7 @@ def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) 
                 for r in quality_rows
                 if r["method"] == method and r.get(panel) is not None and r["cache_size"] < 1.0
             )
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[method], label=method)
+            _line(ax, pts, method, styles[method])
         ax.set_title(panel)
         ax.set_xlim(0, 1.02)
         ax.set_ylim(-0.03, 1.05)
@@ -51,9 +86,10 @@ def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) 
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    fig.suptitle("Score vs cache size per method")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    legend_rows = (len(labels) + 3) // 4
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7, frameon=False)
+    fig.suptitle("Score vs cache size per method (markers offset slightly in x so equal scores stay visible)")
+    fig.tight_layout(rect=(0, min(0.5, 0.03 + 0.025 * legend_rows), 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -158,5 +194,26 @@ def perturbation_heatmaps(table, path: Path, probe: str = "later") -> Path | Non
     fig.colorbar(image, ax=list(axes.flat), label="log2(perturbation ratio); < 0: CriticalKV lower")
     fig.suptitle(f"Attention-output perturbation, CriticalKV vs base ({probe} queries)", fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def fidelity(rows: list[dict], path: Path) -> Path:
+    """Answer fidelity: mean NLL increase of the full cache's answer vs cache size, a line per method."""
+    methods = sorted({r["method"] for r in rows})
+    styles = _styles(methods)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for method in methods:
+        pts = sorted((r["cache_size"], r["nll_delta"]) for r in rows if r["method"] == method)
+        _line(ax, pts, method, styles[method])
+    ax.axhline(0, color="black", linestyle="--", linewidth=1, label="full cache")
+    ax.set_xlim(0, 1.02)
+    ax.set_xlabel("cache size (kept fraction)")
+    ax.set_ylabel("NLL of the full-cache answer: compressed - full (nats/token, lower is better)")
+    ax.set_title("Answer fidelity per method (x offset slightly per method)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -131,6 +131,25 @@ def compression_loss(quality_rows: list[dict]) -> list[dict]:
     return out
 
 
+def fidelity(table: pa.Table) -> list[dict]:
+    """Mean answer NLL and its increase over the full cache per (method, cache_size), compressed
+    settings only (rows of sweeps, which carry ``answer_nll_delta``)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in _rows(table):
+        if not row.get("error") and row.get("answer_nll_delta") is not None and _setting(row)[0] != FULL:
+            groups[_setting(row)].append(row)
+    return [
+        {
+            "method": method,
+            "cache_size": size,
+            "rows": len(rows),
+            "nll": _mean([r["answer_nll"] for r in rows]),
+            "nll_delta": _mean([r["answer_nll_delta"] for r in rows]),
+        }
+        for (method, size), rows in sorted(groups.items())
+    ]
+
+
 def costs(table: pa.Table) -> list[dict]:
     """Median TTFT, compression, decode speed, kept fraction and KV bytes per (method, cache_size)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)

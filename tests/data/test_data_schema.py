@@ -43,16 +43,18 @@ EXPECTED = {
     "decode_ms_per_token": pa.float64(),
     "peak_memory_bytes": pa.int64(),
     "device": pa.string(),
+    "answer_nll": pa.float64(),
+    "answer_nll_delta": pa.float64(),
     "error": pa.string(),
 }
 
 
 def test_schema_has_exactly_the_contract_columns_and_version():
-    assert SCHEMA_VERSION == 1
+    assert SCHEMA_VERSION == 2
     assert list(OUTPUT_COLUMNS) == list(EXPECTED)
     for name, dtype in EXPECTED.items():
         assert OUTPUT_SCHEMA.field(name).type.equals(dtype), name
-    assert schema_version(OUTPUT_SCHEMA) == 1
+    assert schema_version(OUTPUT_SCHEMA) == 2
     for name in ("budget", "reference", "score", "prediction", "error"):
         assert OUTPUT_SCHEMA.field(name).nullable
 

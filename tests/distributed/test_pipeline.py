@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.data import (
     OUTPUT_SCHEMA,
+    SCHEMA_VERSION,
     check_output_table,
     rows_to_table,
     write_documents,
@@ -77,7 +78,7 @@ def test_every_question_exactly_once_with_schema_types(first_run):
 def test_manifest_records_the_run(first_run):
     _, config, result = first_run
     manifest = json.loads(result.manifest_path.read_text())
-    assert manifest["schema_version"] == 1 and manifest["identity"] == config.identity()
+    assert manifest["schema_version"] == SCHEMA_VERSION and manifest["identity"] == config.identity()
     run = manifest["runs"][-1]
     assert run["run_id"] == result.run_id and run["status"] == "completed"
     assert run["started_at"] and run["ended_at"] and run["host"]["hostname"]
@@ -196,7 +197,7 @@ def _normalised_in_ray_with_one_document_done(tmp_path, one_question_per_row: bo
         "earlier",
     )
     (tmp_path / "out" / "manifest.json").write_text(
-        json.dumps({"schema_version": 1, "identity": config.identity(), "runs": []})
+        json.dumps({"schema_version": SCHEMA_VERSION, "identity": config.identity(), "runs": []})
     )
     result = run_job(config, echo=False)
     assert result.extra["normalise"] == "ray" and result.missing_rows is None

@@ -184,3 +184,25 @@ def test_oom_rows_are_recorded_or_retried_smaller(faults):
     assert all(r["error"] is None for r in retried)
     assert {r["cache_size"] for r in retried if r["doc_id"] == "d0"} == {0.2}
     assert {r["cache_size"] for r in retried if r["doc_id"] != "d0"} == {0.5}
+
+
+def test_sweep_scores_summaries_against_the_full_cache_answer():
+    settings = sweep_settings(["snapkv"], [0.3, 1.0], CompressionConfig(window=4, kernel=3))
+    docs = small_docs(1)
+    docs[0]["task"] = "summary_essay"
+    docs[0]["references"] = None
+    predictor = Predictor(
+        model={"name": "tiny-llama"},
+        compression=settings[0].model_dump(mode="json"),
+        generation={"max_new_tokens": 4},
+        job_fields={**JOB_FIELDS, "job": "eval_compression"},
+        engine_factory=TINY_FACTORY,
+        sweep=[s.model_dump(mode="json") for s in settings],
+        score=score_answer,
+    )
+    rows = {(r["method"], r["question_id"].split("|")[0]): r for r in predictor(_batch(docs)).to_pylist()}
+    for (method, _), row in rows.items():
+        assert row["error"] is None and row["score"] is not None and 0.0 <= row["score"] <= 1.0
+        assert row["answer_nll"] is not None and row["answer_nll_delta"] is not None
+        if method == "none":
+            assert row["score"] == 1.0 and row["answer_nll_delta"] == 0.0

@@ -7,7 +7,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data import rows_to_table
+from pipeline.data import SCHEMA_VERSION, rows_to_table
 from pipeline.distributed import sink
 from pipeline.distributed.summary import format_summary, summarize
 
@@ -44,7 +44,7 @@ def test_commit_is_atomic_and_idempotent(tmp_path):
     again = sink.commit_table(table, tmp_path, "r1")  # a retried write of the same rows
     assert first == again and first.name.startswith("part-r1-") and sink.committed_files(tmp_path) == [first]
     assert not list(tmp_path.glob(".tmp-*")) and pq.read_table(first).num_rows == 2
-    assert pq.read_schema(first).metadata[b"pipeline.schema_version"] == b"1"
+    assert pq.read_schema(first).metadata[b"pipeline.schema_version"] == str(SCHEMA_VERSION).encode()
 
 
 def test_committed_state_and_done(tmp_path):

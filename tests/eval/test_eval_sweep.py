@@ -37,3 +37,23 @@ def test_ruler_documents_are_scorable():
     assert score_prediction(None, "x", ["x"]) is None
     with pytest.raises(ValueError, match="tasks"):
         ruler_documents(["nope"], 600, 1, count)
+
+
+def test_summary_documents_fit_and_score_against_the_full_cache():
+    from pipeline.eval.scoring import score_answer
+    from pipeline.eval.summaries import SUMMARY_TASK
+    from pipeline.eval.sweep import sweep_documents
+
+    count = lambda text: len(text.split())  # noqa: E731
+    docs = sweep_documents(["niah_single_1", SUMMARY_TASK], 900, 3, count, seed=2, max_new_tokens=20, summary_tokens=90)
+    summaries = [d for d in docs if d["task"] == SUMMARY_TASK]
+    assert len(summaries) == 3 and len({d["doc_id"] for d in summaries}) == 3
+    for doc in summaries:
+        assert 800 <= count(doc["context"]) <= 900 and doc["context"].endswith((".", "?", "!", '"'))
+        assert doc["max_new_tokens"] == 90 and doc["references"] is None
+    assert all(d["max_new_tokens"] <= 20 for d in docs if d["task"] != SUMMARY_TASK)
+    assert score_answer(SUMMARY_TASK, "the cat sat on the mat", None, "the cat sat on the mat") == 1.0
+    assert 0 < score_answer(SUMMARY_TASK, "the cat sat", None, "the cat sat on the mat") < 1
+    assert score_answer(SUMMARY_TASK, "x", None, None) is None  # not in a sweep with the full cache
+    with pytest.raises(ValueError, match="essays reach"):
+        sweep_documents([SUMMARY_TASK], 100000, 1, count)

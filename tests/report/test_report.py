@@ -32,6 +32,8 @@ def _rows():
                     kv_bytes_full=1000,
                     kv_bytes_kept=int(1000 * size) + 4,
                     peak_memory_bytes=2**20,
+                    answer_nll=1.0 + (1.0 - size) * score,
+                    answer_nll_delta=(1.0 - size) * score,
                 )
             )
     rows.append(
@@ -62,6 +64,10 @@ def test_aggregates_match_hand_computed(tmp_path):
     assert overview["snapkv"]["failed"] == 1 and overview["snapkv"]["rows"] == 3
     cost = {r["method"]: r for r in tables.costs(table)}
     assert cost["snapkv"]["kept_bytes_fraction"] == pytest.approx(0.204)
+    fidelity = {r["method"]: r for r in tables.fidelity(table)}
+    assert set(fidelity) == {"snapkv", "criticalkv-snapkv"}  # compressed settings only
+    assert fidelity["snapkv"]["nll_delta"] == pytest.approx(0.8 * 0.25)
+    assert fidelity["criticalkv-snapkv"]["nll"] == pytest.approx(1.0 + 0.8 * 0.75)
 
 
 def test_report_files_and_cli(tmp_path):
@@ -71,7 +77,8 @@ def test_report_files_and_cli(tmp_path):
     md = build_report([out], out)
     text = md.read_text()
     assert "Score by method and cache size" in text and "compression_loss.png" in text
-    for name in ["score_vs_cache_size.png", "compression_loss.png", "costs.png"]:
+    assert "Answer fidelity" in text and "fidelity.png" in text
+    for name in ["score_vs_cache_size.png", "compression_loss.png", "costs.png", "fidelity.png"]:
         assert (out / name).stat().st_size > 5000
     assert main([str(out)]) == 0
     assert main([str(tmp_path / "missing")]) == 2
