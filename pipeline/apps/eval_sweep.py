@@ -105,7 +105,8 @@ class EvalJob(JobConfig):
     def job_config(self, documents: str) -> JobConfig:
         """The batch job that answers the sweep: ``documents`` as input, every setting swept."""
         settings = sweep_settings(self.methods, self.cache_sizes, self.compression)
-        fields = self.model_dump(include=set(JobConfig.model_fields) - {"compression", "sweep", "input"})
+        # columns: the generated documents are already normalised (a dump would mark every mapping field set)
+        fields = self.model_dump(include=set(JobConfig.model_fields) - {"compression", "sweep", "input", "columns"})
         return JobConfig.model_validate({**fields, "input": documents, "compression": settings[0], "sweep": settings})
 
 

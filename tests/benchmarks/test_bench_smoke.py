@@ -132,3 +132,21 @@ def test_scaling_measure_on_tiny_model(tiny):
 def test_run_all_flag_filter():
     assert has_flag("  --lengths LENGTHS", "--lengths")
     assert not has_flag("  --faith-lengths X", "--lengths")
+
+
+def test_method_costs_measure_on_tiny_model():
+    import method_costs
+
+    from pipeline.engine.config import GenerationConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.kv.config import CompressionConfig
+
+    loaded = tiny_loaded("llama", layers=2)
+
+    def engine_for(method):
+        config = CompressionConfig(method=method, cache_size=1.0 if method == "none" else 0.3, window=4, kernel=3)
+        return Engine(loaded, config, GenerationConfig(max_new_tokens=1))
+
+    res = method_costs.measure(engine_for, loaded.tokenizer, ["none", "layer-kvzip", "snapkv"], 120, repeats=1)
+    assert res["none"]["kept"] > 1.0 > 0.4 > res["layer-kvzip"]["kept"] > 0.25
+    assert all(len(r["seconds"]) == 1 and r["seconds"][0] > 0 for r in res.values())

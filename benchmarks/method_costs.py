@@ -1,0 +1,116 @@
+"""What each compression method costs at prefill: time (scoring and compression included) over the
+plain prefill, peak memory above the process' level before the prefill, and kept bytes.
+
+    python benchmarks/method_costs.py [--lengths 2048,4096] [--repeats 3] [--cache-size 0.2]
+                                      [--methods none,snapkv,...] [--out benchmarks/results/method_costs.md]
+
+SmolLM2 fp32 on CPU, the Engine's own path (``Engine.compress_context``: prefill, KVzip's
+reconstruction passes where the method needs them, compression into the variable-length cache).
+Methods are timed interleaved (round r runs them in order, round r+1 in reverse) and every figure
+is a median over ``--repeats``; only ratios measured in the same run are claims. Peak memory
+(``/proc/self/status`` VmHWM after a reset) is the process' growth during the prefill, model weights
+excluded: per-layer methods hold one layer's dense K/V at a time, deferred methods (cross-layer
+allocation, KVzip) the whole dense cache until they select.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from common import context_ids  # noqa: E402
+from roofline import PeakRSS, header, median, parse_ints, table  # noqa: E402
+
+from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
+from pipeline.engine.engine import Engine  # noqa: E402
+from pipeline.engine.loading import load_model  # noqa: E402
+from pipeline.engine.types import Request  # noqa: E402
+from pipeline.kv.config import CompressionConfig  # noqa: E402
+
+DEFAULT_METHODS = (
+    "none,snapkv,criticalkv-snapkv,adakv-snapkv,layer-snapkv,knorm,defensivekv,criticalkv-adakv-defensivekv,"
+    "layer-defensivekv,expected_attention,adakv-expected_attention,kvzip,layer-kvzip,criticalkv-layer-kvzip"
+)
+
+
+def measure(engine_for, tokenizer, methods: list[str], n: int, repeats: int) -> dict[str, dict]:
+    """Per method: prefill seconds, peak RSS growth and kept / full bytes of one ``n``-token document."""
+    text = tokenizer.decode(context_ids(tokenizer, n)[0].tolist())
+    request = Request("bench", text, ["?"])
+    out = {m: {"seconds": [], "peak": [], "kept": None} for m in methods}
+    engine_for(methods[0]).compress_context(request)  # warm up
+    for r in range(repeats):
+        for method in methods if r % 2 == 0 else list(reversed(methods)):
+            engine = engine_for(method)
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                cache = engine.compress_context(request)
+                seconds = time.perf_counter() - t0
+            out[method]["seconds"].append(seconds)
+            out[method]["peak"].append(mem.delta_bytes)
+            tokens = len(engine.prompts.encode(request.context, request.questions).context_ids)
+            shape = engine.shape
+            full_bytes = tokens * shape.num_layers * shape.num_kv_heads * 2 * shape.head_dim * shape.itemsize
+            out[method]["kept"] = cache.nbytes() / full_bytes
+            out[method]["tokens"] = tokens
+            del cache
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="2048,4096")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-size", type=float, default=0.2)
+    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--out", default=str(HERE / "results" / "method_costs.md"))
+    args = p.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    loaded = load_model(ModelConfig(name="smollm2"))
+    engines: dict[str, Engine] = {}
+
+    def engine_for(method: str) -> Engine:
+        if method not in engines:
+            size = 1.0 if method == "none" else args.cache_size
+            config = CompressionConfig(method=method, cache_size=size)
+            engines[method] = Engine(loaded, config, GenerationConfig(max_new_tokens=1))
+        return engines[method]
+
+    lines = [header(f"Prefill cost per method (SmolLM2 fp32, cache size {args.cache_size:g})")]
+    for n in parse_ints(args.lengths):
+        res = measure(engine_for, loaded.tokenizer, methods, n, args.repeats)
+        base = median(res["none"]["seconds"]) if "none" in res else None
+        rows = []
+        for method in methods:
+            r = res[method]
+            sec = median(r["seconds"])
+            peak = [x for x in r["peak"] if x is not None]
+            rows.append(
+                [
+                    method,
+                    f"{sec:.2f}",
+                    f"{sec / base:.2f}" if base else "-",
+                    f"{median(peak) / 2**20:.0f}" if peak else "-",
+                    f"{r['kept']:.3f}",
+                ]
+            )
+        lines.append(f"\n## {res[methods[0]]['tokens']} context tokens (median of {args.repeats})\n")
+        lines.append(
+            table(
+                ["method", "prefill s", "÷ plain prefill", "peak MiB above start", "kept / full bytes"], rows, "lrrrr"
+            )
+        )
+        print("\n".join(lines[-2:]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"\n(written to {args.out})")
+
+
+if __name__ == "__main__":
+    main()
