@@ -33,7 +33,7 @@ ALLOWED = {
     "top": {"ground", "data", "kv", "engine", "distributed", "eval", "report", "apps"},
 }
 GROUND = {"pipeline", "pipeline.options", "pipeline.hooks"}
-TOP = {"pipeline.generate"}
+TOP = {"pipeline.generate", "pipeline.compact"}
 
 
 def _modules() -> dict[str, Path]:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 from pipeline.data.locations import is_uri
 from pipeline.distributed.config import JOB_CONFIGS, JobConfig
 from pipeline.distributed.driver import JobConfigError, JobFailed, run_job
+from pipeline.eval.metrics import METRICS
 from pipeline.eval.scoring import score_answer
 from pipeline.options import OptionParser, fail
 
@@ -39,6 +42,8 @@ def build_parser(job: str) -> OptionParser:
 def config_from_args(job: str, argv: list[str] | None = None) -> JobConfig:
     """Parse ``argv`` into a validated job config; exits with code 2 naming the bad flag."""
     config, _ = build_parser(job).parse(argv)
+    if config.metric not in METRICS:
+        fail(f"invalid --metric (metric): unknown metric {config.metric!r}; choose one of {', '.join(sorted(METRICS))}")
     if not is_uri(config.output) and not Path(config.output).is_absolute() and "working_dir_files" in os.getcwd():
         print(
             f"warning: --output {config.output} is relative and this runs inside Ray's temporary copy of the "
@@ -48,23 +53,67 @@ def config_from_args(job: str, argv: list[str] | None = None) -> JobConfig:
     return config
 
 
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_ROW_ERRORS = 0, 1, 2, 3
+
+
+def exit_code(result, max_error_fraction: float) -> int:
+    """0 when no committed row carries an error (or at most ``max_error_fraction`` of them), else 3."""
+    if result.total_rows and result.rows_with_error / result.total_rows > max_error_fraction:
+        return EXIT_ROW_ERRORS
+    return EXIT_OK
+
+
+def _terminate_on_sigterm():
+    """SIGTERM ends the job like Ctrl-C (the manifest says interrupted, a local Ray is shut down);
+    returns the previous handler."""
+
+    def handler(signum, frame):
+        raise Terminated
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (exit code 143 instead of 130)."""
+
+
 def main(job: str, argv: list[str] | None = None) -> int:
+    """Exit codes: 0 every row answered; 3 finished but rows carry an error (above --max-error-fraction);
+    2 bad input or configuration (nothing ran); 1 failed part-way (committed rows stay, rerun resumes);
+    130 / 143 interrupted by Ctrl-C / SIGTERM."""
     config = config_from_args(job, argv)
+    previous = _terminate_on_sigterm()
     try:
-        result = run_job(config, score=score_answer)
+        result = run_job(config, score=partial(score_answer, default_metric=config.metric))
     except JobConfigError as exc:
         fail(f"invalid {exc.field}: {exc.message}")
     except JobFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    except KeyboardInterrupt as exc:
+        signal_name = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        print(
+            f"interrupted ({signal_name}): committed rows are kept; rerun the same command to resume", file=sys.stderr
+        )
+        return 143 if isinstance(exc, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(
         json.dumps(
             {
                 "output": str(result.output_dir),
                 "rows": result.total_rows,
                 "rows_written": result.rows_written,
+                "rows_with_error": result.rows_with_error,
                 "run_id": result.run_id,
             }
         )
     )
-    return 0
+    code = exit_code(result, config.max_error_fraction)
+    if code == EXIT_ROW_ERRORS:
+        print(
+            f"error: {result.rows_with_error} of {result.total_rows} rows carry an error (more than "
+            f"--max-error-fraction {config.max_error_fraction:g}); see the error column",
+            file=sys.stderr,
+        )
+    return code

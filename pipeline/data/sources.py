@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
@@ -151,20 +152,62 @@ def parquet_files(location: Location) -> list[pafs.FileInfo]:
     return sorted(listed, key=lambda i: i.path)
 
 
-def _read_parquet(location: Location) -> pa.Table:
-    if location.is_file():
+def _read_parquet_file(location: Location) -> pa.Table:
+    try:
         return pq.read_table(location.path, filesystem=location.fs)
-    files = parquet_files(location)
+    except (pa.ArrowInvalid, OSError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataSourceError(f"{location}: not a readable Parquet file ({detail})") from None
+
+
+def directory_files(location: Location) -> tuple[list[pafs.FileInfo], list[pafs.FileInfo]]:
+    """(readable input files, other files) under a directory or prefix, recursive and sorted by path,
+    skipping names that start with ``.`` or ``_`` at any level (temporary files, ``_SUCCESS``)."""
+    listed = [
+        i
+        for i in location.files(recursive=True)
+        if not any(part.startswith((".", "_")) for part in location.relative(i).parts)
+    ]
+    listed.sort(key=lambda i: i.path)
+    readable = tuple(s.lstrip(".") for s in PARQUET_SUFFIXES + JSONL_SUFFIXES)
+    return [i for i in listed if i.extension in readable], [i for i in listed if i.extension not in readable]
+
+
+def _read_directory(location: Location, fields: Collection[str] | None, ignore_unknown_files: bool) -> pa.Table:
+    """Every Parquet and JSON-lines file of a directory, concatenated (columns unified). Other files
+    are refused, or skipped with a warning that lists them."""
+    files, unknown = directory_files(location)
+    if unknown:
+        names = ", ".join(location.relative(i).as_posix() for i in unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+        if not ignore_unknown_files:
+            raise DataSourceError(
+                f"{location}: {len(unknown)} file(s) that are neither Parquet nor JSON lines ({names}); remove "
+                "them or pass ignore_unknown_files (--ignore-unknown-files) to skip them"
+            )
+        warnings.warn(
+            f"skipping {len(unknown)} file(s) of {location} that are neither Parquet nor JSON lines: {names}",
+            stacklevel=2,
+        )
     if not files:
-        raise DataSourceError(f"{location}: directory holds no Parquet files and is not a datasets directory")
-    return pa.concat_tables(
-        [pq.read_table(f.path, filesystem=location.fs) for f in files], promote_options="permissive"
-    )
+        raise DataSourceError(
+            f"{location}: directory holds no Parquet or JSON-lines files and is not a datasets directory"
+        )
+    tables = []
+    for info in files:
+        table = _read_file(location.at(info), fields)
+        if "input_error" in table.column_names:  # JSON lines: say which file a "line N" is in
+            errors = table.column("input_error").to_pylist()
+            named = [None if e is None else f"{location.relative(info).as_posix()} {e}" for e in errors]
+            table = table.set_column(
+                table.column_names.index("input_error"), "input_error", pa.array(named, pa.string())
+            )
+        tables.append(table)
+    return pa.concat_tables(tables, promote_options="permissive")
 
 
 def _read_file(location: Location, fields: Collection[str] | None) -> pa.Table:
     if location.suffix in PARQUET_SUFFIXES:
-        return _read_parquet(location)
+        return _read_parquet_file(location)
     if location.suffix in JSONL_SUFFIXES:
         return read_jsonl(location, fields)
     raise DataSourceError(
@@ -173,7 +216,7 @@ def _read_file(location: Location, fields: Collection[str] | None) -> pa.Table:
     )
 
 
-def _read_object_store(uri: str, fields: Collection[str] | None) -> pa.Table:
+def _read_object_store(uri: str, fields: Collection[str] | None, ignore_unknown_files: bool) -> pa.Table:
     try:
         location = resolve(uri)
     except StorageError as exc:
@@ -183,7 +226,7 @@ def _read_object_store(uri: str, fields: Collection[str] | None) -> pa.Table:
         if info.type == pafs.FileType.File:
             return _read_file(location, fields)
         if info.type == pafs.FileType.Directory:
-            return _read_parquet(location)
+            return _read_directory(location, fields, ignore_unknown_files)
     except (OSError, pa.ArrowInvalid) as exc:
         raise DataSourceError(f"{location}: cannot read ({type(exc).__name__}: {exc})") from exc
     raise FileNotFoundError(f"input not found: {location}")
@@ -218,14 +261,17 @@ def read_table(
     split: str | None = None,
     config: str | None = None,
     fields: Collection[str] | None = None,
+    ignore_unknown_files: bool = False,
 ) -> pa.Table:
     """Read an input as a raw Arrow table (columns as stored; see the module docstring).
 
     ``split``: which split of a saved ``DatasetDict`` or hub dataset (default ``train`` when there,
     or the only split). ``config``: hub dataset configuration name. ``fields``: see :func:`read_jsonl`.
+    ``ignore_unknown_files``: skip (with a warning) files of an input directory that are neither
+    Parquet nor JSON lines, instead of refusing the directory.
     """
     if is_uri(path_or_name):
-        return _read_object_store(path_or_name, fields)
+        return _read_object_store(path_or_name, fields, ignore_unknown_files)
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         if is_datasets_dir(resolve(path)):
@@ -236,7 +282,7 @@ def read_table(
             except Exception as exc:  # noqa: BLE001 - any failure here is an unreadable directory
                 raise DataSourceError(f"{path}: could not load the saved datasets directory: {exc}") from exc
             return _pick_split(loaded, split, str(path))
-        return _read_parquet(resolve(path))
+        return _read_directory(resolve(path), fields, ignore_unknown_files)
     if path.is_file():
         return _read_file(resolve(path), fields)
     name = str(path_or_name)

@@ -2,9 +2,26 @@
 
 Nothing here knows about attention or caches: the actor holds a :class:`pipeline.engine.Engine`
 and turns its answers into output-schema rows; the driver moves documents and rows around.
+
+The names below are imported on first use: Ray's write tasks unpickle the sink
+(:mod:`pipeline.distributed.sink`) and must not pay for importing torch and transformers through the
+driver and the actor (about 3 s per fresh worker on 2 cores).
 """
 
-from pipeline.distributed.driver import JobConfigError, JobFailed, RunResult, run_job
-from pipeline.distributed.predictor import Predictor
+from importlib import import_module
 
-__all__ = ["JobConfigError", "JobFailed", "Predictor", "RunResult", "run_job"]
+_EXPORTS = {
+    "JobConfigError": "pipeline.distributed.driver",
+    "JobFailed": "pipeline.distributed.driver",
+    "RunResult": "pipeline.distributed.driver",
+    "run_job": "pipeline.distributed.driver",
+    "Predictor": "pipeline.distributed.predictor",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -3,10 +3,15 @@ and that its model exists, and what the manifest records about the cluster."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 
+import psutil
 import ray
 
 import pipeline
@@ -26,7 +31,7 @@ def check_model(config: JobConfig) -> None:
         if config.model.name.lower() in SHORT_NAMES:
             bundled_gguf(config.model.name.lower())
         else:
-            resolve_model_path(config.model)  # for paths: checks files only; hub ids: nothing to check offline
+            resolve_model_path(config.model)  # paths: the files; hub ids: present in the local HF cache
     except ModelNotFoundError as exc:
         raise JobConfigError("model.name", str(exc)) from exc
 
@@ -37,13 +42,28 @@ def ensure_ray(config: JobConfig) -> tuple[bool, str]:
         return False, "already initialised in this process"
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        with _keeping_sigterm_handler():
+            ray.init(address=address, log_to_driver=True)
         return False, address
     # workers import pipeline (and an engine_factory module) the way this driver does, installed or not
     paths = [str(Path(pipeline.__file__).resolve().parents[1]), os.getcwd(), os.environ.get("PYTHONPATH", "")]
     env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
+    with _keeping_sigterm_handler():
+        ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
     return True, "local (started by this job)"
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler():
+    """``ray.init`` replaces the driver's SIGTERM handler with ``sys.exit(15)``; the caller's stays."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def check_resources(config: JobConfig, started_here: bool) -> float:
@@ -89,3 +109,70 @@ def ray_facts(config: JobConfig, address: str, cpus: float) -> dict:
         "gpus_per_actor": config.gpus_per_actor,
         "actors": [config.min_actors, config.max_actors],
     }
+
+
+# ---------------------------------------------------------------------- local Ray processes
+SESSIONS_DIR = "ray-sessions"  # under the pipeline's cache directory (engine.loading.default_cache_dir)
+
+
+def _identity(proc: psutil.Process) -> dict:
+    return {"pid": proc.pid, "started": proc.create_time(), "name": proc.name()}
+
+
+def _alive(entry: dict) -> psutil.Process | None:
+    """The process of a record entry, if the same process (pid and start time) still runs."""
+    try:
+        proc = psutil.Process(entry["pid"])
+        return proc if abs(proc.create_time() - entry["started"]) < 1e-3 else None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+class LocalRayRecord:
+    """The processes of a local Ray this driver started, recorded by PID and start time so that a
+    later run can stop them if this driver dies without shutting them down (a SIGKILL leaves Ray's
+    DashboardAgent and RuntimeEnvAgent running). Never matches processes by name."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f"driver-{os.getpid()}.json"
+
+    def write(self) -> None:
+        me = psutil.Process()
+        record = {"driver": _identity(me), "processes": [_identity(p) for p in me.children(recursive=True)]}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(record))
+
+    def stop_leftovers(self) -> int:
+        """After ``ray.shutdown()``: stop what of this session still runs; returns how many."""
+        stopped = _stop(json.loads(self.path.read_text())["processes"]) if self.path.is_file() else 0
+        self.path.unlink(missing_ok=True)
+        return stopped
+
+
+def stop_dead_sessions(directory: Path) -> int:
+    """Stop the recorded processes of local Ray sessions whose driver no longer runs; returns how many."""
+    stopped = 0
+    for path in sorted(directory.glob("driver-*.json")) if directory.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            continue
+        if _alive(record["driver"]) is None:
+            stopped += _stop(record["processes"])
+            path.unlink(missing_ok=True)
+    if stopped:
+        logger.warning("stopped %d processes left by the local Ray of a driver that died", stopped)
+    return stopped
+
+
+def _stop(entries: list[dict], grace_s: float = 5.0) -> int:
+    procs = [p for p in (_alive(e) for e in entries) if p is not None]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    return len(procs)

@@ -68,6 +68,11 @@ class JobConfig(BaseModel):
     split: str | None = Field(None, description="split of a datasets directory or hub dataset")
     dataset_config: str | None = Field(None, description="hub dataset configuration name")
     columns: ColumnMapping = Field(default_factory=ColumnMapping)
+    ignore_unknown_files: bool = Field(
+        False,
+        description="skip (with a warning) files of an input directory that are neither Parquet nor JSON "
+        "lines, instead of refusing the directory",
+    )
     instruction: str | None = Field(
         None, description="summaries: the instruction every document gets as its only question"
     )
@@ -84,8 +89,27 @@ class JobConfig(BaseModel):
         description="output directory or s3:// / gs:// prefix; rerun into it to resume",
         json_schema_extra={"shown_default": "a new outputs/<job>-<timestamp>/"},
     )
-    rows_per_file: int = Field(64, ge=1, description="rows bundled per committed Parquet file")
+    rows_per_file: int | None = Field(
+        None,
+        ge=1,
+        description="commit files of at least this many rows (default: one file per actor batch, so a "
+        "killed driver loses only the batches in flight; more rows per file = fewer, larger files, more work lost "
+        "on a crash; python -m pipeline.compact OUT merges them later)",
+    )
     retry_errors: bool = Field(False, description="on resume, also redo questions whose row has an error")
+    metric: str = Field(
+        "string_match_all",
+        description="scores rows that have a reference and name no known task (RULER string_match_all, "
+        "string_match_part; LongBench qa_f1, rouge_l, classification_score, retrieval_score, count_score, "
+        "code_sim_score)",
+    )
+    max_error_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="exit with code 3 when more than this fraction of the output's rows carry "
+        "an error (default 0: any error row)",
+    )
     # --- what runs
     model: ModelConfig = Field(default_factory=ModelConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
@@ -145,8 +169,10 @@ class JobConfig(BaseModel):
         data = dict(data)
         if not data.get("output"):
             data["output"] = default_output(data.get("job") or cls.model_fields["job"].default)
-        if data.get("num_actors") is not None:  # a fixed pool: wins over min/max actors
-            data["min_actors"] = data["max_actors"] = data["num_actors"]
+        fixed = data.get("num_actors")
+        # a fixed pool wins over min/max actors; an invalid one is reported under its own name only
+        if isinstance(fixed, int) and not isinstance(fixed, bool) and fixed >= 1:
+            data["min_actors"] = data["max_actors"] = fixed
         return data
 
     @field_validator("input")
@@ -252,12 +278,15 @@ class SummarizeJob(JobConfig):
     instruction: str | None = Field(
         SUMMARY_INSTRUCTION, description="the instruction every document gets as its only question"
     )
+    metric: str = Field("rouge_l", description="scores summaries against a reference column, when there is one")
     sample_docs: int = Field(2, ge=1, description="built-in samples: number of documents")
     sample_words: int = Field(400, ge=50, description="built-in samples: words per document")
     compression: CompressionConfig = Field(
         default_factory=lambda: CompressionConfig(method="criticalkv-snapkv", cache_size=0.5)
     )
-    generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=64))
+    generation: GenerationConfig = Field(
+        default_factory=lambda: GenerationConfig(max_new_tokens=256, end_at_sentence=True)
+    )
 
     cli_exclude: ClassVar[tuple[str, ...]] = ("columns.question", "columns.questions", "columns.question_id")
 

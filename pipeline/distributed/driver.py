@@ -51,16 +51,28 @@ from pathlib import Path
 
 import pyarrow as pa
 import ray
+from ray.data import DataContext
 
 from pipeline.data.schema import SCHEMA_VERSION
 from pipeline.distributed import sink
-from pipeline.distributed.cluster import check_model, check_resources, cluster_gpus, ensure_ray, ray_facts
+from pipeline.distributed.cluster import (
+    SESSIONS_DIR,
+    LocalRayRecord,
+    check_model,
+    check_resources,
+    cluster_gpus,
+    ensure_ray,
+    ray_facts,
+    stop_dead_sessions,
+)
 from pipeline.distributed.config import JobConfig
 from pipeline.distributed.dataset import build_dataset
+from pipeline.distributed.failures import describe, storage_hint
 from pipeline.distributed.inputs import check_ray_input, choose_normalise, load_documents
 from pipeline.distributed.predictor import ScoreFunction, setting_of
 from pipeline.distributed.rundir import DATA_DIR, JobConfigError, OutputDir, host_facts, new_run_id, now_iso, versions
 from pipeline.distributed.summary import RunSummary, format_summary, summarize
+from pipeline.engine.loading import default_cache_dir
 from pipeline.engine.types import row_question_ids
 
 __all__ = ["JobConfigError", "JobFailed", "RunResult", "run_job"]
@@ -83,8 +95,9 @@ class RunResult:
     duplicates_removed: int
     missing_rows: int | None  # expected (doc_id, question_id) keys without a row; None: not checked
     summary: RunSummary
-    total_rows: int
+    total_rows: int  # committed rows in the output (all runs)
     wall_s: float
+    rows_with_error: int = 0  # committed rows in the output whose error is set (all runs)
     extra: dict = field(default_factory=dict)
 
 
@@ -100,6 +113,7 @@ def run_job(config: JobConfig, *, echo: bool = True, score: ScoreFunction | None
         check_ray_input(config)
     if not ray.is_initialized():
         check_model(config)
+        stop_dead_sessions(default_cache_dir() / SESSIONS_DIR)
     out.lock()
     try:
         return _Run(config, out, mode, t0, score).execute(docs, echo)
@@ -115,6 +129,7 @@ class _Run:
         self.run_id = new_run_id()
         self.settings = [setting_of(c) for c in config.sweep]
         self.ray_info: dict = {}
+        self.manifest_error: str | None = None
 
     def execute(self, docs: pa.Table | None, echo: bool) -> RunResult:
         manifest = self._open_manifest()
@@ -179,24 +194,35 @@ class _Run:
         return run
 
     def _write(self, manifest: dict) -> None:
+        """Replace the manifest; a storage error is remembered (and said at the end), not raised."""
         manifest["updated_at"] = now_iso()
-        self.out.write_manifest(manifest)
+        try:
+            self.out.write_manifest(manifest)
+            self.manifest_error = None
+        except OSError as exc:
+            self.manifest_error = describe(exc)
 
     def _run_ray(self, docs, committed: sink.Committed, manifest: dict, run: dict) -> BaseException | None:
         """Run the Ray pipeline; returns the error of a failed run (re-raises config errors and interrupts)."""
         if docs is not None and docs.num_rows == 0:
             return None
         state = committed.succeeded if self.config.retry_errors else committed.answered
-        started_here = False
+        started_here, record = False, LocalRayRecord(default_cache_dir() / SESSIONS_DIR)
         try:
             started_here, address = ensure_ray(self.config)
+            if started_here:
+                record.write()
             cpus = check_resources(self.config, started_here)
+            # a failed actor batch raises its own exception (not "UDF failed"), so the sentence names it
+            DataContext.get_current().raise_original_map_exception = True
             run["gpu"]["cluster"] = cluster_gpus()
             self.ray_info = ray_facts(self.config, address, cpus)
             done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
             ds = build_dataset(self.config, docs, done, self.run_id, cpus, self.score)
             ds.write_datasink(
-                sink.AtomicParquetDatasink(self.out.data_location, self.run_id, self.config.rows_per_file),
+                sink.AtomicParquetDatasink(
+                    self.out.data_location, self.config.fingerprint(), self.config.rows_per_file
+                ),
                 ray_remote_args={"num_cpus": 0},
             )
         except JobConfigError as exc:
@@ -209,7 +235,9 @@ class _Run:
             return exc
         finally:
             if started_here:
+                record.write()  # again: Ray starts some of its agents after init returns
                 ray.shutdown()
+                record.stop_leftovers()
         return None
 
     def _record_end(self, manifest, run, error, wall, this_run, summary, final, removed, missing) -> None:
@@ -220,7 +248,7 @@ class _Run:
                 "ended_at": now_iso(),
                 "wall_s": round(wall, 3),
                 "ray": self.ray_info,
-                "error": None if error is None else f"{type(error).__name__}: {error}"[:4000],
+                "error": None if error is None else describe(error),
             }
         )
         run["gpu"]["actor_devices"] = sorted({d for d in this_run.column("device").to_pylist() if d})
@@ -242,25 +270,40 @@ class _Run:
         }
 
     def _end_early(self, manifest: dict, run: dict, exc: BaseException, status: str) -> None:
-        run.update({"status": status, "ended_at": now_iso(), "error": f"{type(exc).__name__}: {exc}"[:4000]})
+        run.update({"status": status, "ended_at": now_iso(), "error": describe(exc)})
         self._write(manifest)
+
+    def _failure(self, error: BaseException, committed: int | None) -> str:
+        """One sentence for a run that failed part-way: what, how much is safe, what to do."""
+        done = f"after committing {committed} rows" if committed is not None else "(its committed rows are kept)"
+        hint = storage_hint(error)
+        where = (
+            f"details in {self.out.manifest_location}"
+            if self.manifest_error is None
+            else f"the manifest could not be updated ({self.manifest_error})"
+        )
+        return (
+            f"run {self.run_id} failed {done}: {describe(error)}"
+            + (f"; {hint}" if hint else "")
+            + f"; {where}; rerun the same command to resume"
+        )
 
     def _finish(self, manifest, run, committed, expected, counts, error, echo) -> RunResult:
         data = self.out.data_location
-        removed = sink.dedupe(data, self.run_id)
-        final = sink.committed_state(data)
+        try:
+            removed = sink.dedupe(data, self.config.fingerprint()) if error is None else 0
+            final = sink.committed_state(data)
+            this_run = sink.read_committed(data, self.run_id)
+        except Exception as exc:  # noqa: BLE001 - the output cannot be read back: say so, keep the first error
+            self._end_early(manifest, run, error or exc, "failed")
+            raise JobFailed(self._failure(error or exc, None)) from (error or exc)
         missing = None if expected is None else sum(1 for d, q in expected if q not in final.answered.get(d, ()))
-        this_run = sink.read_committed(data, self.run_id)
         wall = time.perf_counter() - self.t0
-        summary = summarize(this_run, wall, data.uri, self.config.compression.query_aware, rows_skipped=committed.rows)
+        summary = summarize(this_run, wall, data.uri, self.config.compression.query_aware, rows_skipped=committed.keys)
         self._record_end(manifest, run, error, wall, this_run, summary, final, removed, missing)
         self._write(manifest)
         if error is not None:
-            detail = " ".join(str(error).strip().splitlines()[:3])[:600]
-            raise JobFailed(
-                f"run {self.run_id} failed after committing {this_run.num_rows} rows ({type(error).__name__}: "
-                f"{detail}); details in {self.out.manifest_location}; rerun the same command to resume"
-            ) from error
+            raise JobFailed(self._failure(error, this_run.num_rows)) from error
         if echo:
             print(format_summary(summary, f"{self.config.job} run {self.run_id}"), flush=True)
             if missing:
@@ -279,5 +322,6 @@ class _Run:
             summary=summary,
             total_rows=final.rows,
             wall_s=wall,
+            rows_with_error=final.rows - sum(len(v) for v in final.succeeded.values()),
             extra={"ray": self.ray_info, "normalise": self.mode},
         )

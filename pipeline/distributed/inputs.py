@@ -19,8 +19,8 @@ from pipeline.data.schema import DOCUMENT_SCHEMA
 from pipeline.data.sources import (
     PARQUET_SUFFIXES,
     DataSourceError,
+    directory_files,
     is_datasets_dir,
-    parquet_files,
     read_table,
 )
 from pipeline.data.synthetic import sample_qa_documents, sample_summarization_documents
@@ -82,10 +82,12 @@ def _parquet_size(location: Location) -> int | None:
             return info.size if location.suffix in PARQUET_SUFFIXES else None
         if info.type != pafs.FileType.Directory or is_datasets_dir(location):
             return None
-        files = parquet_files(location)
+        files, unknown = directory_files(location)
     except OSError as exc:
         raise JobConfigError("input", f"cannot access {location}: {exc}") from exc
-    return sum(i.size or 0 for i in files) if files else None
+    if unknown or not files or any(i.extension not in ("parquet", "pq") for i in files):
+        return None  # not all Parquet: read on the driver, which also refuses or skips unknown files
+    return sum(i.size or 0 for i in files)
 
 
 def choose_normalise(config: JobConfig) -> str:
@@ -108,9 +110,16 @@ def load_documents(config: JobConfig) -> pa.Table:
     else:
         mapping = config.columns
         try:
-            raw = read_table(config.input, split=config.split, config=config.dataset_config)
+            raw = read_table(
+                config.input,
+                split=config.split,
+                config=config.dataset_config,
+                ignore_unknown_files=config.ignore_unknown_files,
+            )
         except (FileNotFoundError, DataSourceError) as exc:
             raise JobConfigError("input", str(exc)) from exc
+        if raw.num_rows == 0:
+            raise JobConfigError("input", f"{config.input} holds no rows: nothing to answer")
         if config.instruction is not None:
             raw, mapping = add_instruction_column(raw, config.instruction), instruction_mapping(config)
         try:
@@ -130,11 +139,12 @@ def check_ray_input(config: JobConfig) -> dict:
     """Schema-only checks for ``normalise="ray"``; returns the resolved column roles."""
     location = input_location(config)
     try:
-        schema = pads.dataset(
-            location.path, filesystem=location.fs, format="parquet", ignore_prefixes=[".", "_"]
-        ).schema
+        dataset = pads.dataset(location.path, filesystem=location.fs, format="parquet", ignore_prefixes=[".", "_"])
+        schema, rows = dataset.schema, dataset.count_rows()  # from the files' metadata
     except (OSError, pa.ArrowInvalid) as exc:
-        raise JobConfigError("input", f"cannot read the Parquet schema of {location}: {exc}") from exc
+        raise JobConfigError("input", f"cannot read the Parquet files of {location}: {exc}") from exc
+    if rows == 0:
+        raise JobConfigError("input", f"{location} holds no rows: nothing to answer")
     names = list(schema.names) + ([INSTRUCTION_COLUMN] if config.instruction is not None else [])
     mapping = instruction_mapping(config) if config.instruction is not None else config.columns
     try:

@@ -2,14 +2,17 @@
 
 Layout of ``OUT/data/``:
 
-* ``part-<run_id>-<digest>.parquet``: committed files. On a local filesystem each is written
-  completely under a hidden temporary name (``.tmp-...``) in the same directory, flushed to disk and
-  then renamed, so a file with a committed name is always whole. On object storage (``s3://``,
-  ``gs://``; see :mod:`pipeline.data.locations`) the file is uploaded under its final key in one request:
-  an object appears whole when its upload completes, or not at all (an upload killed part-way is
-  invisible and never becomes an object), so no temporary name is needed. ``<digest>`` hashes the
-  (doc_id, question_id) keys the file holds, so a write task that Ray retries after it already
-  committed replaces its own file instead of adding a second copy.
+* ``part-<settings>-<digest>.parquet``: committed files, by default one per actor batch (so a killed
+  driver or node loses at most the batches in flight; ``rows_per_file`` bundles more rows per file,
+  and ``python -m pipeline.compact OUT`` merges a finished run's files). On a local filesystem each
+  is written completely under a hidden temporary name (``.tmp-...``) in the same directory, flushed
+  to disk and then renamed, so a file with a committed name is always whole. On object storage
+  (``s3://``, ``gs://``; see :mod:`pipeline.data.locations`) the file is uploaded under its final key
+  in one request: an object appears whole when its upload completes, or not at all, so no temporary
+  name is needed. The name is **idempotent**: ``<settings>`` is the job's settings fingerprint (the
+  same for every run into one output) and ``<digest>`` hashes the sorted (doc_id, question_id) keys
+  the file holds, so a batch that Ray retries, or that a rerun redoes after its driver died, lands on
+  the name it already has and replaces it instead of adding a second copy.
 * ``.tmp-*``: a write in progress, or debris of a write killed part-way. Readers ignore names
   starting with ``.`` or ``_`` (pyarrow datasets, ``pipeline.data.read_table``, Ray's
   ``read_parquet``); the next run deletes them while it holds the output lock.
@@ -55,11 +58,12 @@ def key_digest(table: pa.Table) -> str:
     return h.hexdigest()[:20]
 
 
-def commit_table(table: pa.Table, data_dir: str | os.PathLike | Location, run_id: str) -> Location:
-    """Write ``table`` as one committed file (see the module docstring); returns its location."""
+def commit_table(table: pa.Table, data_dir: str | os.PathLike | Location, settings_id: str) -> Location:
+    """Write ``table`` as one committed file named by ``settings_id`` and its keys (see the module
+    docstring); returns its location."""
     data = resolve(data_dir)
     table = conform(table)
-    final = data.child(f"{PART_PREFIX}{run_id}-{key_digest(table)}.parquet")
+    final = data.child(f"{PART_PREFIX}{settings_id}-{key_digest(table)}.parquet")
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
     final.write_bytes(buffer.getvalue().to_pybytes())  # atomic: temp name + fsync + rename, or one upload
@@ -76,9 +80,11 @@ class AtomicParquetDatasink(Datasink):
     or URI) and is resolved where the write runs, with that process's credentials.
     """
 
-    def __init__(self, data_dir: str | os.PathLike | Location, run_id: str, rows_per_file: int = 64) -> None:
+    def __init__(
+        self, data_dir: str | os.PathLike | Location, settings_id: str, rows_per_file: int | None = None
+    ) -> None:
         self.data_dir = data_dir.uri if isinstance(data_dir, Location) else str(data_dir)
-        self.run_id = run_id
+        self.settings_id = settings_id
         self.rows_per_file = rows_per_file
 
     def on_write_start(self, schema=None) -> None:
@@ -90,7 +96,7 @@ class AtomicParquetDatasink(Datasink):
         if not tables:
             return []
         table = pa.concat_tables([conform(t) for t in tables])
-        path = commit_table(table, self.data_dir, self.run_id)
+        path = commit_table(table, self.data_dir, self.settings_id)
         return [{"file": path.name, "rows": table.num_rows}]
 
     @property
@@ -98,7 +104,8 @@ class AtomicParquetDatasink(Datasink):
         return False
 
     @property
-    def min_rows_per_write(self) -> int:
+    def min_rows_per_write(self) -> int | None:
+        """None: every actor batch is written as it arrives (one file per batch)."""
         return self.rows_per_file
 
     def get_name(self) -> str:
@@ -156,7 +163,12 @@ class Committed:
 
     answered: dict[str, set[str]]  # doc_id -> question ids with a row (any row, error or not)
     succeeded: dict[str, set[str]]  # doc_id -> question ids with a row without error
-    rows: int
+    rows: int  # rows in committed files (a duplicate counts twice)
+
+    @property
+    def keys(self) -> int:
+        """Distinct (doc_id, question_id) keys with a row."""
+        return sum(len(q) for q in self.answered.values())
 
     def done(self, doc_id: str, question_ids: list[str], retry_errors: bool = False) -> bool:
         have = (self.succeeded if retry_errors else self.answered).get(doc_id)
@@ -174,7 +186,7 @@ def committed_state(data_dir: str | os.PathLike | Location) -> Committed:
     return Committed(dict(answered), dict(succeeded), keys.num_rows)
 
 
-def dedupe(data_dir: str | os.PathLike | Location, run_id: str) -> int:
+def dedupe(data_dir: str | os.PathLike | Location, settings_id: str) -> int:
     """Keep one row per (doc_id, question_id); returns the number of rows removed.
 
     The kept row is the first committed one without ``error``, else the first committed one. Files
@@ -215,7 +227,7 @@ def dedupe(data_dir: str | os.PathLike | Location, run_id: str) -> int:
         kept = table.filter(mask)
         removed += table.num_rows - kept.num_rows
         if kept.num_rows:
-            new = commit_table(kept, data_dir, run_id)
+            new = commit_table(kept, data_dir, settings_id)
             if new != location:
                 location.delete()
         else:

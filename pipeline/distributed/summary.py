@@ -29,6 +29,7 @@ class RunSummary:
     wall_s: float
     output: str
     rows_skipped: int = 0
+    decode_ms_per_token_median: float | None = None  # one sequence's decode step, median over rows
 
     @property
     def kv_bytes_saved(self) -> int:
@@ -40,7 +41,13 @@ class RunSummary:
 
     @property
     def generated_tokens_per_s(self) -> float | None:
+        """Generated tokens over the whole job's wall time (model loading, prefill, Ray included)."""
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Decode speed of one sequence: 1000 / the median decode ms per token of the rows."""
+        return 1000.0 / self.decode_ms_per_token_median if self.decode_ms_per_token_median else None
 
     def as_dict(self) -> dict:
         return {
@@ -48,6 +55,7 @@ class RunSummary:
             "kv_bytes_saved": self.kv_bytes_saved,
             "tokens_per_s": self.tokens_per_s,
             "generated_tokens_per_s": self.generated_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
         }
 
 
@@ -80,6 +88,7 @@ def summarize(
                 "generated_tokens",
                 "kv_bytes_full",
                 "kv_bytes_kept",
+                "decode_ms_per_token",
             )
             if c in table.column_names
         ]
@@ -93,6 +102,7 @@ def summarize(
         caches.setdefault(key, r)
     fractions = [c["kv_bytes_kept"] / c["kv_bytes_full"] for c in caches.values() if c.get("kv_bytes_full")]
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+    per_token = [r["decode_ms_per_token"] for r in ok if r.get("decode_ms_per_token")]
     return RunSummary(
         rows=len(rows),
         rows_ok=len(ok),
@@ -109,6 +119,7 @@ def summarize(
         wall_s=wall_s,
         output=output,
         rows_skipped=rows_skipped,
+        decode_ms_per_token_median=_percentile(per_token, 50),
     )
 
 
@@ -134,8 +145,9 @@ def format_summary(s: RunSummary, title: str = "run summary") -> str:
         ("TTFT mean / p95", f"{_num(s.ttft_mean_s, '.3f', ' s')} / {_num(s.ttft_p95_s, '.3f', ' s')}"),
         ("mean kept KV fraction", _num(s.kept_fraction_mean, ".1%")),
         ("KV bytes saved", saved),
-        ("tokens/s (prompt+generated)", _num(s.tokens_per_s, ",.0f")),
-        ("generated tokens/s", _num(s.generated_tokens_per_s, ",.1f")),
+        ("tokens / job wall time (prompt+generated)", _num(s.tokens_per_s, ",.0f", " tok/s")),
+        ("generated tokens / job wall time", _num(s.generated_tokens_per_s, ",.1f", " tok/s")),
+        ("decode speed per sequence (1000 / median ms per token)", _num(s.decode_tokens_per_s, ",.1f", " tok/s")),
         ("wall time", f"{s.wall_s:.1f} s"),
         ("output", s.output),
     ]

@@ -55,6 +55,9 @@ class GenerationConfig(_Strict):
 
     max_new_tokens: int = Field(64, ge=1, le=8192, description="generated tokens per answer at most")
     batch_size: int = Field(1, ge=1, description="documents prefilled together (left padded), per actor call")
+    end_at_sentence: bool = Field(
+        False, description="an answer cut by max_new_tokens ends at its last complete sentence (summaries)"
+    )
     truncate: Literal["middle", "left", "error"] = Field(
         "middle",
         description="a context longer than the window: cut its middle (as LongBench), its start, or fail the row",

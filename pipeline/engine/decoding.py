@@ -8,6 +8,7 @@ round, so one compressed context answers many questions.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,15 @@ class RoundResult:
         return self.token_ids + ([self.stop_id] if self.stop_id is not None else [])
 
 
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
+
+
+def last_sentence_end(text: str) -> str:
+    """``text`` up to its last complete sentence (unchanged when it has none)."""
+    ends = list(_SENTENCE_END.finditer(text))
+    return text[: ends[-1].end()] if ends else text
+
+
 def eos_token_ids(model, tokenizer) -> set[int]:
     """Every id the model or tokenizer declares as end of sequence."""
     ids: set[int] = set()
@@ -56,7 +66,8 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 class Decoder:
     """Runs the chunks of one batch through ``model`` (which uses the registered varlen attention)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device, end_at_sentence: bool = False) -> None:
+        self.end_at_sentence = end_at_sentence
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
@@ -133,7 +144,7 @@ class Decoder:
         decode_s = now(self.device) - t1
         return [
             RoundResult(
-                text=self.tokenizer.decode(tokens[b], skip_special_tokens=True),
+                text=self._text(tokens[b], stops[b]),
                 generated_tokens=len(tokens[b]) + (1 if len(tokens[b]) < limits[b] else 0),
                 question_tokens=int(q_len[b]),
                 question_s=q_s,
@@ -144,6 +155,10 @@ class Decoder:
             )
             for b in range(len(rows))
         ]
+
+    def _text(self, tokens: list[int], stop_id: int | None) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return last_sentence_end(text) if self.end_at_sentence and stop_id is None else text
 
     def _greedy(
         self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor, limits: list[int]

@@ -7,8 +7,9 @@
   rename, so concurrent actors on one node convert once.
 * a directory: loaded with ``use_safetensors=True`` (pickled ``.bin`` weights are refused).
 * a ``*.gguf`` file: dequantised by transformers (needs the ``gguf`` package).
-* anything else: a hub id, loaded with ``use_safetensors=True`` (only works where the hub or a
-  local HF cache is reachable).
+* anything else: a hub id that is in the local Hugging Face cache, loaded from there with
+  ``use_safetensors=True`` (nothing is downloaded at run time; an id that is not cached is refused
+  before any actor starts, saying what was looked for).
 
 ``trust_remote_code`` stays off unless the config asks for it.
 """
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,7 +128,22 @@ def resolve_model_path(config: ModelConfig) -> tuple[str, dict]:
         return str(path), {}
     if path.exists() or name.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"model path {path} is neither a directory nor a .gguf file")
-    return name, {}
+    if not hub_id_is_cached(name):
+        raise ModelNotFoundError(
+            f"model {name!r} was not found: it is not a bundled short name ({', '.join(SHORT_NAMES)}), not a local "
+            f"directory or .gguf file, and no hub model {name!r} is in the local Hugging Face cache "
+            f"({huggingface_hub.constants.HF_HUB_CACHE}); nothing is downloaded at run time"
+        )
+    return name, {"local_files_only": True}
+
+
+def hub_id_is_cached(repo_id: str) -> bool:
+    """A hub model id whose ``config.json`` is in the local Hugging Face cache (no network)."""
+    try:
+        found = huggingface_hub.try_to_load_from_cache(repo_id, "config.json")
+    except (ValueError, huggingface_hub.errors.HFValidationError):  # not a valid repo id at all
+        return False
+    return isinstance(found, str)
 
 
 def load_model(config: ModelConfig) -> LoadedModel:

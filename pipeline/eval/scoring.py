@@ -29,13 +29,18 @@ def score_prediction(metric: str | None, prediction: str | None, references: lis
 
 
 def score_answer(
-    task: str | None, prediction: str | None, references: list[str] | None, full_cache_prediction: str | None = None
+    task: str | None,
+    prediction: str | None,
+    references: list[str] | None,
+    full_cache_prediction: str | None = None,
+    default_metric: str | None = None,
 ) -> float | None:
-    """Score of an answer whose document names a known task and has references, else None.
+    """Score of an answer with references: by its document's task's metric (RULER task, LongBench
+    dataset), else by ``default_metric`` (the jobs' ``--metric``); None without references.
 
     Essay summaries have no references: in a sweep they score ROUGE-L against the full cache's
     answer to the same question (``full_cache_prediction``), None elsewhere."""
-    metric = metric_for_task(task)
+    metric = metric_for_task(task) or default_metric
     if metric == SUMMARY_METRIC:
         if prediction is None or full_cache_prediction is None:
             return None

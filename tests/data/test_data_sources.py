@@ -38,7 +38,7 @@ def test_parquet_directory_reads_all_files_in_order(tmp_path):
 
 
 def test_empty_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(DataSourceError, match="no Parquet files"):
+    with pytest.raises(DataSourceError, match="holds no Parquet or JSON-lines files"):
         read_documents(tmp_path)
 
 

@@ -89,7 +89,8 @@ def test_summary_counts_each_cache_once():
         "TTFT mean / p95",
         "mean kept KV fraction",
         "KV bytes saved",
-        "tokens/s",
+        "generated tokens / job wall time",
+        "decode speed per sequence (1000 / median ms per token)",
         "wall time",
         "output",
     ):
