@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -23,6 +22,8 @@ from pipeline.distributed.driver import JobConfigError, JobFailed, run_job
 from pipeline.eval.metrics import METRICS
 from pipeline.eval.scoring import score_answer
 from pipeline.options import OptionParser, fail
+
+from .interrupts import run_interruptibly
 
 DESCRIPTIONS = {
     "longdoc_qa": "Answer questions about long documents with a compressed KV cache, on Ray.",
@@ -63,18 +64,15 @@ def exit_code(result, max_error_fraction: float) -> int:
     return EXIT_OK
 
 
-def _terminate_on_sigterm():
-    """SIGTERM ends the job like Ctrl-C (the manifest says interrupted, a local Ray is shut down);
-    returns the previous handler."""
-
-    def handler(signum, frame):
-        raise Terminated
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C (exit code 143 instead of 130)."""
+def _run(config: JobConfig):
+    """The job's result, or an exit code for a failure part-way (bad configuration exits 2)."""
+    try:
+        return run_job(config, score=partial(score_answer, default_metric=config.metric))
+    except JobConfigError as exc:
+        fail(f"invalid {exc.field}: {exc.message}")
+    except JobFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def main(job: str, argv: list[str] | None = None) -> int:
@@ -82,22 +80,9 @@ def main(job: str, argv: list[str] | None = None) -> int:
     2 bad input or configuration (nothing ran); 1 failed part-way (committed rows stay, rerun resumes);
     130 / 143 interrupted by Ctrl-C / SIGTERM."""
     config = config_from_args(job, argv)
-    previous = _terminate_on_sigterm()
-    try:
-        result = run_job(config, score=partial(score_answer, default_metric=config.metric))
-    except JobConfigError as exc:
-        fail(f"invalid {exc.field}: {exc.message}")
-    except JobFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt as exc:
-        signal_name = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
-        print(
-            f"interrupted ({signal_name}): committed rows are kept; rerun the same command to resume", file=sys.stderr
-        )
-        return 143 if isinstance(exc, Terminated) else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    result = run_interruptibly(lambda: _run(config))
+    if isinstance(result, int):
+        return result
     print(
         json.dumps(
             {

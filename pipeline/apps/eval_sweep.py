@@ -35,6 +35,8 @@ from pipeline.eval.sweep import sweep_documents, sweep_settings, token_counter
 from pipeline.options import OptionParser, fail
 from pipeline.report import build_report
 
+from .interrupts import run_interruptibly
+
 DEFAULT_TASKS = ["niah_single_1", "niah_single_2", "niah_multikey_1", "vt"]
 DEFAULT_METHODS = [
     "snapkv",
@@ -136,6 +138,18 @@ def write_documents(config: EvalJob) -> Path:
     return inputs
 
 
+def _run(job) -> int | None:
+    """None when the sweep ran, else its exit code (1: failed part-way; bad configuration exits 2)."""
+    try:
+        run_job(job, score=score_answer)
+    except JobConfigError as exc:
+        fail(f"invalid {exc}")
+    except JobFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OptionParser(EvalJob, prog="jobs/eval_compression.py", description=__doc__.splitlines()[0])
     config, _ = parser.parse(argv)
@@ -147,13 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"invalid {exc}")
     settings = ", ".join(f"{s.method}@{s.cache_size:g}" for s in job.sweep)
     print(f"{config.samples * len(config.tasks)} documents x {len(job.sweep)} settings ({settings})")
-    try:
-        run_job(job, score=score_answer)
-    except JobConfigError as exc:
-        fail(f"invalid {exc}")
-    except JobFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    failed = run_interruptibly(lambda: _run(job))
+    if failed is not None:
+        return failed
     report = build_report([config.output], Path(config.report_dir or config.output))
     print(f"report: {report}")
     return 0

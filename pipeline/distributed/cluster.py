@@ -55,7 +55,8 @@ def ensure_ray(config: JobConfig) -> tuple[bool, str]:
 
 @contextlib.contextmanager
 def _keeping_sigterm_handler():
-    """``ray.init`` replaces the driver's SIGTERM handler with ``sys.exit(15)``; the caller's stays."""
+    """``ray.init`` replaces the driver's SIGTERM handler with ``sys.exit(15)``; a handler the caller
+    installed stays (without one, Ray's is kept: it still runs the cleanup in ``finally`` blocks)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -63,7 +64,8 @@ def _keeping_sigterm_handler():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
 
 
 def check_resources(config: JobConfig, started_here: bool) -> float:

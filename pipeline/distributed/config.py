@@ -251,7 +251,7 @@ class JobConfig(BaseModel):
             "model": self.model.model_dump(mode="json", exclude={"cache_dir"}),
             "compression": self.compression.model_dump(mode="json"),
             "sweep": [c.model_dump(mode="json") for c in self.sweep],
-            "generation": self.generation.model_dump(mode="json", exclude={"batch_size"}),
+            "generation": self.generation.model_dump(mode="json", exclude={"batch_size", "settings_per_decode"}),
         }
 
     def fingerprint(self) -> str:
@@ -268,7 +268,7 @@ class LongDocQAJob(JobConfig):
     )
     generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
 
-    cli_exclude: ClassVar[tuple[str, ...]] = ("instruction",)
+    cli_exclude: ClassVar[tuple[str, ...]] = ("instruction", "generation.settings_per_decode")
 
 
 class SummarizeJob(JobConfig):
@@ -288,7 +288,12 @@ class SummarizeJob(JobConfig):
         default_factory=lambda: GenerationConfig(max_new_tokens=256, end_at_sentence=True)
     )
 
-    cli_exclude: ClassVar[tuple[str, ...]] = ("columns.question", "columns.questions", "columns.question_id")
+    cli_exclude: ClassVar[tuple[str, ...]] = (
+        "columns.question",
+        "columns.questions",
+        "columns.question_id",
+        "generation.settings_per_decode",
+    )
 
 
 JOB_CONFIGS: dict[str, type[JobConfig]] = {"longdoc_qa": LongDocQAJob, "summarize": SummarizeJob}

@@ -55,6 +55,12 @@ class GenerationConfig(_Strict):
 
     max_new_tokens: int = Field(64, ge=1, le=8192, description="generated tokens per answer at most")
     batch_size: int = Field(1, ge=1, description="documents prefilled together (left padded), per actor call")
+    settings_per_decode: int = Field(
+        8,
+        ge=1,
+        description="sweeps: compressed settings of one batch decoded together as one batch "
+        "(1: each alone, with its own decode times)",
+    )
     end_at_sentence: bool = Field(
         False, description="an answer cut by max_new_tokens ends at its last complete sentence (summaries)"
     )

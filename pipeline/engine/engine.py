@@ -27,7 +27,6 @@ import torch
 
 from ..kv.attention import register as register_attention
 from ..kv.cache import VarLenCache
-from ..kv.capture import CaptureCache
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
 from ..kv.rope import model_rotary
@@ -40,6 +39,7 @@ from .memory import PeakMemory, device_label, now
 from .priors import load_head_priors, resolve_head_priors
 from .prompts import PromptBuilder
 from .reconstruction import ContextReconstruction
+from .sweep import SweepBatch
 from .types import Answer, Request, Setting
 
 BatchRunner = Callable[[list[Row]], list[Answer]]
@@ -152,19 +152,6 @@ class Engine:
         cache.compress_seconds += now(self.device) - t0
         cache.finish_compression(scores)
 
-    def _sweep_reconstructions(self, rows: list[Row], capture: CaptureCache) -> dict:
-        """Reconstruction scores once per distinct (chunk, KVzip+) among the swept settings, with their seconds."""
-        out = {}
-        for compressor in capture.compressors:
-            key = _reconstruction_key(compressor)
-            if key is None or key in out:
-                continue
-            t0 = now(self.device)
-            contexts, prefixes = [r.prompt.context_ids for r in rows], [r.prompt.prefix_tokens for r in rows]
-            scores = self.reconstruction.scores(contexts, prefixes, capture.pending_layers(), *key)
-            out[key] = (scores, now(self.device) - t0)
-        return out
-
     # ------------------------------------------------------------------ error isolation
     def _generate(self, requests: list[Request], variants: int, run: BatchRunner) -> list[list[Answer]]:
         """Batch rows, run ``run(rows) -> answers (variant-major, then row, then question)``, isolate
@@ -219,18 +206,18 @@ class Engine:
             request,
             self.prompts,
             max_total_tokens=self.max_context_tokens,
-            max_new_tokens=self._max_new(request),
+            max_new_tokens=self.max_new_tokens_for(request),
             truncate=self.generation.truncate,
             query_aware=self.compression.query_aware,
         )
 
-    def _max_new(self, request: Request) -> int:
+    def max_new_tokens_for(self, request: Request) -> int:
         return request.max_new_tokens or self.generation.max_new_tokens
 
     @torch.inference_mode()
     def _run_batch(self, rows: list[Row], compressor: Compressor, setting: Setting | None = None) -> list[Answer]:
         meter = PeakMemory(self.device)
-        limits = [self._max_new(row.request) for row in rows]
+        limits = [self.max_new_tokens_for(row.request) for row in rows]
         with meter:
             t0 = now(self.device)
             cache = VarLenCache(self.shape.num_layers, compressor)
@@ -249,47 +236,8 @@ class Engine:
 
     @torch.inference_mode()
     def _run_sweep_batch(self, rows: list[Row], compressors: list[Compressor]) -> list[Answer]:
-        """Every setting from one prefill; the full-cache setting (if swept) runs first and its
-        answers are the references whose likelihood every setting's cache is measured on."""
-        meter = PeakMemory(self.device)
-        limits = [self._max_new(row.request) for row in rows]
-        order = sorted(range(len(compressors)), key=lambda i: compressors[i].config.compresses)
-        results: dict[int, tuple] = {}
-        reference = None
-        with meter:
-            capture = CaptureCache(self.shape.num_layers, compressors)
-            t0 = now(self.device)
-            ctx_len, logits = self.decoder.prefill(rows, capture, 1.0)
-            prefill_s = now(self.device) - t0
-            passes = self._sweep_reconstructions(rows, capture)
-            for index in order:
-                compressor = compressors[index]
-                scores, pass_s = passes.get(_reconstruction_key(compressor), (None, 0.0))
-                cache = capture.compressed(index, observed=scores)
-                refs = None if reference is None else [[x.reference_tokens for x in rnd] for rnd in reference]
-                per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits, refs)
-                if reference is None and not compressor.config.compresses:
-                    own = [[x.reference_tokens for x in rnd] for rnd in per_round]
-                    self.decoder.measure_fidelity(cache, rows, ctx_len, logits, per_round, own)
-                    reference = per_round
-                compress_s = cache.compress_seconds + pass_s
-                results[index] = (cache.context_entries.tolist(), cache.context_bytes.tolist(), compress_s, per_round)
-                del cache  # one derived cache alive at a time
-        answers = []
-        for index, compressor in enumerate(compressors):
-            entries, kept_bytes, compress_s, per_round = results[index]
-            cfg = compressor.config
-            cost = ContextCost(entries, kept_bytes, prefill_s + compress_s, compress_s, meter.peak_bytes)
-            setting = Setting(cfg.method, cfg.cache_size, cfg.budget)
-            answers += make_answers(rows, ctx_len.tolist(), per_round, cost, self.shape, setting, reference)
-        return answers
-
-
-def _reconstruction_key(compressor: Compressor) -> tuple | None:
-    """What a setting's reconstruction scores depend on (None: it needs none)."""
-    if not compressor.needs_reconstruction:
-        return None
-    return compressor.config.reconstruction_chunk, compressor.config.kvzip_plus
+        """Every setting from one prefill (:mod:`pipeline.engine.sweep`)."""
+        return SweepBatch(self, rows, compressors).run()
 
 
 def _store(answers: dict, batch: list[tuple[int, Row]], results: list[Answer], variants: int) -> None:

@@ -31,7 +31,7 @@ from .attention import dense_prefill_attention, varlen_attention
 from .compress import Compressor, LayerSelection, PendingLayer
 from .decode_cap import DecodeCap
 from .store import VarLenLayer
-from .varlen_kernels import choose_kernel, flash_varlen_attention, sdpa_varlen_attention
+from .varlen_kernels import blocked_attention, choose_kernel, flash_varlen_attention, sdpa_varlen_attention
 
 
 class ChunkCache(Cache):
@@ -145,6 +145,20 @@ class VarLenCache(ChunkCache):
         cache._finish_context()
         return cache
 
+    @classmethod
+    def stacked(cls, caches: list[VarLenCache]) -> VarLenCache:
+        """One cache whose rows are the rows of ``caches`` in order (compressed contexts of several
+        settings decoded side by side). Each source's ``context_entries`` / ``context_bytes`` stay
+        on it; the stacked cache's are those of its rows. Caches with a decode cap, or not yet
+        compressed, cannot be stacked."""
+        first = caches[0]
+        if any(c.cap is not None or any(layer is None for layer in c.store) for c in caches):
+            raise ValueError("only compressed caches without a decode cap can be stacked")
+        cache = cls(first.num_layers, first.compressor)
+        cache.store = [VarLenLayer.concat([c.store[i] for c in caches]) for i in range(first.num_layers)]
+        cache._finish_context()
+        return cache
+
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
         layer = self.store[layer_idx]
         if layer is not None:
@@ -191,6 +205,11 @@ class VarLenCache(ChunkCache):
             return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=True), "dense-sdpa"
         if kernel == "flash":
             return flash_varlen_attention(query, layer, scaling), kernel
+        if kernel == "blocked":
+            out = blocked_attention(query, layer, self.query_pos, scaling)
+            if out is not None:
+                return out, kernel
+            kernel = "reference"  # a layout not grown into blocks
         keys, values, key_pos = layer.padded_view()
         if kernel == "sdpa":
             return sdpa_varlen_attention(query, keys, values, key_pos, self.query_pos, scaling), kernel

@@ -12,6 +12,13 @@ growth room was asked for), never a padded (B, H, max_len, D) rectangle and neve
 the full cache. Order inside a segment does not matter for attention (keys are stored after
 RoPE), so eviction may reorder entries; original positions are kept alongside.
 
+Once a layer has grown (:meth:`VarLenLayer.reserve`, before the question and the answer are
+appended), every segment's capacity is a multiple of ``BLOCK`` and starts on a block boundary, so
+``keys.view(C // BLOCK, BLOCK, D)`` is a zero-copy block view in which every block belongs to one
+segment; :meth:`VarLenLayer.block_table` says which. The blocked decode kernel
+(:func:`pipeline.kv.varlen_kernels.blocked_decode_attention`) reads ragged caches through it
+without gathering their entries.
+
 Uniform layouts (uniform budgets, and every decode step after them) are tracked on the Python
 side: ``uniform`` is the common segment length when every segment has the same length and
 segments sit at ``s * uniform_capacity``, and ``padding_free`` says no live entry is a padding
@@ -22,6 +29,8 @@ token. Then appends are strided slice copies and :meth:`dense_view` is a zero-co
 from __future__ import annotations
 
 import torch
+
+BLOCK = 32  # slots per block of a grown layer (segment capacities are multiples of it)
 
 
 class VarLenLayer:
@@ -52,10 +61,12 @@ class VarLenLayer:
         self.uniform: int | None = None  # common segment length of a rectangular layout
         self.uniform_capacity = 0
         self.padding_free = False
+        self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._refresh_layout()
 
     def _refresh_layout(self) -> None:
         """Recompute ``uniform`` / ``uniform_capacity`` / ``padding_free`` from the tensors (syncs)."""
+        self._blocks = None
         self.uniform, self.uniform_capacity = None, 0
         if self.length.numel() and self.is_rectangular():
             length = int(self.length[0])
@@ -97,6 +108,29 @@ class VarLenLayer:
         values = torch.index_select(value.reshape(-1, dim), 0, flat)
         return cls(keys, values, torch.index_select(pos, 0, flat), start, length, length.clone(), bsz, heads)
 
+    @classmethod
+    def concat(cls, layers: list[VarLenLayer]) -> VarLenLayer:
+        """The rows of several layers (same KV heads and dtype) side by side in one layer: rows of
+        ``layers[0]`` first. One copy of every buffer; decode-cap statistics are not carried."""
+        if any(layer.acc_attention is not None or layer.value_norm is not None for layer in layers):
+            raise ValueError("layers with decode-cap statistics cannot be concatenated")
+        heads = {layer.num_heads for layer in layers}
+        if len(heads) != 1:
+            raise ValueError(f"layers to concatenate have different KV head counts: {sorted(heads)}")
+        offsets = [0]
+        for layer in layers[:-1]:
+            offsets.append(offsets[-1] + layer.keys.shape[0])
+        return cls(
+            torch.cat([layer.keys for layer in layers]),
+            torch.cat([layer.values for layer in layers]),
+            torch.cat([layer.positions for layer in layers]),
+            torch.cat([layer.start + offset for layer, offset in zip(layers, offsets)]),
+            torch.cat([layer.length for layer in layers]),
+            torch.cat([layer.capacity for layer in layers]),
+            sum(layer.num_rows for layer in layers),
+            heads.pop(),
+        )
+
     # ------------------------------------------------------------------ properties
     @property
     def num_segments(self) -> int:
@@ -130,10 +164,10 @@ class VarLenLayer:
         if self.uniform is not None and self.uniform + extra <= self.uniform_capacity:
             return
         need = self.length + extra
-        if bool((need <= self.capacity).all()):
+        if bool((need <= self.capacity).all()) and self.block_table() is not None:
             return
         new_cap = torch.maximum(self.capacity, need + slack)
-        self._relayout(new_cap)
+        self._relayout((new_cap + BLOCK - 1) // BLOCK * BLOCK)
 
     def _relayout(self, new_capacity: torch.Tensor) -> None:
         """Copy every segment into a fresh buffer with the given per-segment capacities."""
@@ -204,6 +238,25 @@ class VarLenLayer:
         self.padding_free = self.padding_free and not has_padding
 
     # ------------------------------------------------------------------ reading
+    def block_table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a block-aligned layout (see the module docstring): ``block_segment`` (C // BLOCK,)
+        long, the segment owning each block, and ``slot`` (C // BLOCK, BLOCK) long, each slot's
+        offset inside its segment; None when the layout is not block aligned. Cached per layout."""
+        if self._blocks is None:
+            cap = self.capacity
+            if cap.numel() == 0 or bool((cap % BLOCK != 0).any()) or self.keys.shape[0] != int(cap.sum()):
+                return None
+            expected = torch.cumsum(cap, 0) - cap
+            if not bool((self.start == expected).all()):
+                return None
+            blocks = cap // BLOCK
+            segment = torch.repeat_interleave(torch.arange(cap.numel(), device=cap.device), blocks)
+            first = torch.cumsum(blocks, 0) - blocks
+            offset = torch.arange(segment.numel(), device=cap.device) - first[segment]
+            slot = offset[:, None] * BLOCK + torch.arange(BLOCK, device=cap.device)
+            self._blocks = (segment, slot)
+        return self._blocks
+
     def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(S, L) flat indices of each segment's slots and a (S, L) bool of live slots, L = max length."""
         max_len = self.max_length

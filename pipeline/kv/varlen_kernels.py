@@ -22,6 +22,14 @@ function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
   left-padded rows are left out of the keys, which keeps that alignment right for the real
   queries. Used on CUDA for fp16/bf16 when ``flash_attn`` is installed.
 
+* ``blocked`` (:func:`blocked_attention`): new tokens over a ragged cache, read in place through
+  the store's block view (every segment a run of ``BLOCK``-slot blocks):
+  the queries are gathered per block (G x D floats per block, not the keys), logits and
+  probability-weighted values are batched matmuls per block, and the softmax's max and sum are
+  reduced per segment with ``scatter_reduce`` / ``index_add``. Nothing of the cache is copied, so a
+  ragged cache costs what its entries cost. The CPU path after the prefill (question chunks and
+  decode steps; uniform caches' decode steps read a dense view with SDPA instead).
+
 ``choose_kernel`` picks one per call; ``CRITICALKV_VARLEN_KERNEL=reference|sdpa|flash`` forces
 one (benchmarks, the GPU check). The flash path's packing is tested on CPU against a plain
 per-sequence implementation of ``flash_attn_varlen_func``'s documented semantics
@@ -38,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 KERNEL_ENV = "CRITICALKV_VARLEN_KERNEL"
-KERNELS = ("reference", "sdpa", "flash")
+KERNELS = ("reference", "sdpa", "flash", "blocked")
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,9 +61,9 @@ def flash_varlen_function() -> Callable | None:
 
 
 def choose_kernel(query: torch.Tensor, need_probs: bool) -> str:
-    """The kernel for one call: forced by ``$CRITICALKV_VARLEN_KERNEL``, else ``reference`` on CPU,
-    ``flash`` on CUDA with fp16/bf16 and flash-attn installed, ``sdpa`` otherwise on CUDA.
-    Calls that need probabilities (the decode cap) always use ``reference``."""
+    """The kernel for one call: forced by ``$CRITICALKV_VARLEN_KERNEL``, else on CPU ``blocked``, on
+    CUDA ``flash`` with fp16/bf16 and flash-attn installed and ``sdpa`` otherwise. Calls that need
+    probabilities (the decode cap) always use ``reference``."""
     if need_probs:
         return "reference"
     forced = os.environ.get(KERNEL_ENV, "").strip().lower()
@@ -64,10 +72,50 @@ def choose_kernel(query: torch.Tensor, need_probs: bool) -> str:
             raise ValueError(f"{KERNEL_ENV}={forced!r}: expected one of {', '.join(KERNELS)}")
         return forced
     if not query.is_cuda:
-        return "reference"
+        return "blocked"
     if query.dtype in (torch.float16, torch.bfloat16) and flash_varlen_function() is not None:
         return "flash"
     return "sdpa"
+
+
+def blocked_attention(query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """Attention of T new tokens per row over a block-aligned ``layer`` (the chunk's own entries
+    already appended), read in place: key j is visible to query q iff ``0 <= pos_j <= pos_q`` and
+    j is a live slot of q's segment.
+
+    query: (B, H_q, T, D); query_pos: (B, T). Returns (B, H_q, T, D), or None when the layout is
+    not block aligned.
+    """
+    table = layer.block_table()
+    if table is None:
+        return None
+    segment, slot = table
+    bsz, h_q, t, dim = query.shape
+    segments, groups = layer.num_segments, h_q // layer.num_heads
+    blocks, width = slot.shape
+    key_pos = layer.positions.view(blocks, width)
+    live = (slot < layer.length[segment][:, None]) & (key_pos >= 0)  # (N, W)
+    if t > 1:  # causal inside the chunk: (N, T, W)
+        qpos = query_pos[:, None, :].expand(bsz, layer.num_heads, t).reshape(segments, t).index_select(0, segment)
+        live = live[:, None, :] & (key_pos[:, None, :] <= qpos[:, :, None])
+    else:  # one token: every held entry precedes it
+        live = live[:, None, :]
+    q = query.reshape(segments, groups, t, dim).index_select(0, segment).to(layer.keys.dtype)  # (N, G, T, D)
+    keys, values = layer.keys.view(blocks, width, dim), layer.values.view(blocks, width, dim)
+    logits = torch.bmm(q.view(blocks, groups * t, dim), keys.transpose(1, 2)).float().mul_(scaling)
+    logits = logits.view(blocks, groups, t, width).masked_fill_(~live[:, None], float("-inf"))
+    logits = logits.view(blocks, groups * t, width)  # (N, G*T, W)
+    rows = groups * t
+    top = torch.full((segments, rows), float("-inf"), device=query.device)
+    top.scatter_reduce_(0, segment[:, None].expand(blocks, rows), logits.amax(-1), "amax")
+    top = top.clamp_min(torch.finfo(top.dtype).min)  # a block (or a query) seeing nothing stays finite
+    probs = torch.exp(logits - top.index_select(0, segment)[..., None])  # masked slots 0
+    total = torch.zeros(segments, rows, device=query.device).index_add_(0, segment, probs.sum(-1))
+    weighted = torch.bmm(probs.to(values.dtype), values)  # (N, G*T, D)
+    out = torch.zeros(segments, rows, dim, dtype=weighted.dtype, device=query.device)
+    out.index_add_(0, segment, weighted)
+    out = out / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None].to(out.dtype)
+    return out.view(bsz, h_q, t, dim).to(query.dtype)
 
 
 def sdpa_varlen_attention(

@@ -228,3 +228,39 @@ def test_sweep_from_one_prefill_equals_separate_runs(query_aware, priors):
         assert [a.prediction for a in answers] == [a.prediction for a in alone]
         assert [a.kv_entries_kept for a in answers] == [a.kv_entries_kept for a in alone]
         assert answers[-1].error and "context is empty" in answers[-1].error
+
+
+def test_sweep_decode_groups_and_stacked_caches():
+    """Settings decoded side by side (stacked caches) answer as each decoded alone; full-cache and
+    decode-capped settings are decoded alone; a stacked cache holds each source's kept entries."""
+    from pipeline.engine.sweep import decode_groups
+    from pipeline.kv.cache import VarLenCache
+
+    settings = [
+        CompressionConfig(method=m, cache_size=s, window=4, kernel=3)
+        for m in ("criticalkv-adakv-snapkv", "none", "snapkv", "layer-knorm", "streamingllm")
+        for s in (0.3, 0.6)
+    ]
+    settings.append(CompressionConfig(method="snapkv", cache_size=0.5, window=4, kernel=3, max_cache_tokens=12))
+    requests = [Request("a", TEXT * 3, ["Who jumps?", "Why?"]), Request("b", TEXT, ["What?"])]
+    answers = {}
+    for group in (1, 4):
+        engine = Engine(tiny_loaded(), settings[0], GenerationConfig(max_new_tokens=8, settings_per_decode=group))
+        compressors = [engine.make_compressor(c) for c in settings]
+        groups = decode_groups(compressors, group)
+        assert groups[:2] == [[2], [3]] and groups[2] == [10]  # the two full caches, then the capped one
+        assert sorted(i for g in groups for i in g) == list(range(len(settings))) and max(map(len, groups)) == group
+        answers[group] = [
+            [(a.prediction, a.kv_entries_kept) for a in s] for s in engine.generate_sweep(requests, settings)
+        ]
+    assert answers[1] == answers[4]
+
+    engine = _engine(method="criticalkv-adakv-snapkv", cache_size=0.4)
+    first, second = engine.compress_context(requests[0]), engine.compress_context(requests[1])
+    stacked = VarLenCache.stacked([first, second])
+    assert stacked.store[0].num_rows == 2
+    for layer in range(len(stacked.store)):
+        for head in range(stacked.store[0].num_heads):
+            assert torch.equal(stacked.kept_positions(layer, 0, head), first.kept_positions(layer, 0, head))
+            assert torch.equal(stacked.kept_positions(layer, 1, head), second.kept_positions(layer, 0, head))
+    assert stacked.context_entries.tolist() == first.context_entries.tolist() + second.context_entries.tolist()

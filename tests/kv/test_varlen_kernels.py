@@ -17,9 +17,10 @@ from pipeline.engine.types import Request
 from pipeline.kv import varlen_kernels
 from pipeline.kv.attention import varlen_attention
 from pipeline.kv.config import CompressionConfig
-from pipeline.kv.store import VarLenLayer
+from pipeline.kv.store import BLOCK, VarLenLayer
 from pipeline.kv.varlen_kernels import (
     KERNEL_ENV,
+    blocked_attention,
     choose_kernel,
     flash_varlen_attention,
     packed_segments,
@@ -124,10 +125,47 @@ def test_sdpa_equals_the_reference(dtype, tol):
     torch.testing.assert_close(got.float()[mask], expected[mask], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_blocked_decode_equals_the_reference_in_place(groups):
+    """Ragged segments grown into blocks, padding entries of a left-padded question chunk inside
+    them, a question rolled back (stale entries past the length), then one decode token."""
+    layer, *_ = _layer_and_chunk(groups=groups, append=False)
+    assert blocked_attention(torch.zeros(2, 2 * groups, 1, 8), layer, None, 0.3) is None  # exact-sized
+    layer.reserve(8)
+    assert layer.block_table() is not None and bool((layer.capacity % BLOCK == 0).all())
+    g = torch.Generator().manual_seed(5)
+    start = layer.positions.view(2, -1).max(-1).values[:, None] + 1
+    chunk = start + torch.arange(3)[None]
+    chunk[1, :2] = -1  # row 1's question is shorter: two padding tokens
+    layer.append(torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 3, 8, generator=g), chunk)
+    snapshot = layer.length.clone()
+    next_pos = chunk.max(-1, keepdim=True).values + 1
+    later = next_pos + torch.arange(3)[None]
+    layer.append(torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 3, 8, generator=g), later)
+    layer.truncate(snapshot)  # the entries just appended are forgotten but still in the buffer
+    layer.append(torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g), next_pos)
+    query = torch.randn(2, 2 * groups, 1, 8, generator=g)
+    keys_before = layer.keys.data_ptr()
+    got = blocked_attention(query, layer, next_pos, 0.3)
+    torch.testing.assert_close(got, _reference(layer, query, next_pos, 0.3), atol=1e-5, rtol=1e-5)
+    assert layer.keys.data_ptr() == keys_before
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_blocked_chunk_equals_the_reference(groups):
+    """A left-padded chunk of several tokens (causal among themselves) over ragged segments."""
+    layer, query, query_pos, real = _layer_and_chunk(groups=groups, append=True, pad=(0, 2))
+    assert layer.block_table() is not None  # the append grew the layer into blocks
+    got = blocked_attention(query, layer, query_pos, 0.3)
+    expected = _reference(layer, query, query_pos, 0.3)
+    mask = real[:, None, :, None].expand_as(expected)
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_choice(monkeypatch):
     q = torch.zeros(1, 2, 1, 4)
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    assert choose_kernel(q, need_probs=False) == "reference"  # CPU default
+    assert choose_kernel(q, need_probs=False) == "blocked"  # CPU default
     monkeypatch.setenv(KERNEL_ENV, "sdpa")
     assert choose_kernel(q, need_probs=False) == "sdpa"
     assert choose_kernel(q, need_probs=True) == "reference"  # the decode cap needs probabilities
@@ -143,7 +181,7 @@ def test_flash_without_flash_attn_says_what_is_missing(monkeypatch):
         flash_varlen_attention(query, layer, 0.3)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "flash"])
+@pytest.mark.parametrize("kernel", ["sdpa", "flash", "blocked"])
 def test_engine_batches_give_the_same_answers_with_each_kernel(kernel, monkeypatch):
     """Batched, left-padded rows with ragged AdaKV budgets, several questions per context."""
     requests = [
@@ -156,7 +194,7 @@ def test_engine_batches_give_the_same_answers_with_each_kernel(kernel, monkeypat
         engine = Engine(tiny_loaded("mistral"), config, GenerationConfig(max_new_tokens=8, batch_size=2))
         return [(a.prediction, a.kv_entries_kept, a.error) for a in engine.generate(requests)]
 
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.setenv(KERNEL_ENV, "reference")
     expected = run()
     monkeypatch.setenv(KERNEL_ENV, kernel)
     monkeypatch.setattr(varlen_kernels, "flash_varlen_function", lambda: naive_flash_varlen)

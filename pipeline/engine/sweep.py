@@ -1,0 +1,126 @@
+"""Compression sweeps: every setting of a batch from one prefill, the compressed settings decoded
+side by side.
+
+Per batch of B documents (:meth:`pipeline.engine.engine.Engine.generate_sweep`):
+
+1. one prefill into a :class:`~pipeline.kv.capture.CaptureCache` (every layer's dense K/V kept),
+   then KVzip's reconstruction passes once per distinct (chunk, KVzip+) among the settings;
+2. the full-cache setting (if swept) is answered first, alone: its answers are the references
+   whose likelihood every setting's cache is measured on (answer fidelity);
+3. the compressing settings, in groups of ``settings_per_decode`` (ordered by cache size and
+   allocation so that uniform settings of one size share a rectangular layout): each setting's
+   cache is built from the capture, the group's caches are stacked into one cache of g x B rows
+   (:meth:`~pipeline.kv.cache.VarLenCache.stacked`) and decoded as one batch. On CPU a decode step
+   is bound by reading the weights, so g rows cost little more than one.
+
+Each setting keeps its own kept entries and bytes and its own ``compress_s``; the question and
+decode times of a row are those of its group (``settings_per_decode=1`` gives per-setting times).
+Peak memory covers the capture plus one group's caches.
+"""
+
+from __future__ import annotations
+
+from ..kv.cache import VarLenCache
+from ..kv.capture import CaptureCache
+from ..kv.compress import Compressor
+from .answers import ContextCost, make_answers
+from .batching import Row
+from .memory import PeakMemory, now
+from .types import Answer, Setting
+
+
+def decode_groups(compressors: list[Compressor], size: int) -> list[list[int]]:
+    """Indices of ``compressors`` in decode groups: full-cache settings first, each alone; then the
+    compressing ones by (cache size, allocation, budget), ``size`` per group; settings with a
+    decode-time cap alone (their caches evict per row and cannot be stacked)."""
+    full = [i for i, c in enumerate(compressors) if not c.config.compresses]
+    capped = [i for i, c in enumerate(compressors) if c.config.compresses and c.config.max_cache_tokens is not None]
+    rest = [i for i, c in enumerate(compressors) if c.config.compresses and c.config.max_cache_tokens is None]
+    rest.sort(key=lambda i: _layout_key(compressors[i]))
+    groups = [[i] for i in full + capped]
+    groups += [rest[k : k + size] for k in range(0, len(rest), size)]
+    return groups
+
+
+def _layout_key(compressor: Compressor) -> tuple:
+    cfg = compressor.config
+    return (cfg.cache_size, cfg.budget or 0, cfg.allocation, cfg.method)
+
+
+def reconstruction_key(compressor: Compressor) -> tuple | None:
+    """What a setting's reconstruction scores depend on (None: it needs none)."""
+    if not compressor.needs_reconstruction:
+        return None
+    return compressor.config.reconstruction_chunk, compressor.config.kvzip_plus
+
+
+class SweepBatch:
+    """One batch of a sweep (see the module docstring); ``engine`` supplies the model's decoder,
+    reconstruction passes, shape and limits."""
+
+    def __init__(self, engine, rows: list[Row], compressors: list[Compressor]) -> None:
+        self.engine, self.rows, self.compressors = engine, rows, compressors
+        self.limits = [engine.max_new_tokens_for(row.request) for row in rows]
+        self.reference = None
+        self.results: dict[int, tuple] = {}
+
+    def run(self) -> list[Answer]:
+        engine, rows = self.engine, self.rows
+        meter = PeakMemory(engine.device)
+        with meter:
+            capture = CaptureCache(engine.shape.num_layers, self.compressors)
+            t0 = now(engine.device)
+            ctx_len, logits = engine.decoder.prefill(rows, capture, 1.0)
+            prefill_s = now(engine.device) - t0
+            passes = self._reconstructions(capture)
+            for group in decode_groups(self.compressors, engine.generation.settings_per_decode):
+                self._decode_group(group, capture, passes, ctx_len, logits)
+        answers = []
+        for index, compressor in enumerate(self.compressors):
+            entries, kept_bytes, compress_s, per_round = self.results[index]
+            cfg = compressor.config
+            cost = ContextCost(entries, kept_bytes, prefill_s + compress_s, compress_s, meter.peak_bytes)
+            setting = Setting(cfg.method, cfg.cache_size, cfg.budget)
+            answers += make_answers(rows, ctx_len.tolist(), per_round, cost, engine.shape, setting, self.reference)
+        return answers
+
+    def _reconstructions(self, capture: CaptureCache) -> dict:
+        """Reconstruction scores once per distinct (chunk, KVzip+) among the settings, with their seconds."""
+        out = {}
+        contexts = [r.prompt.context_ids for r in self.rows]
+        prefixes = [r.prompt.prefix_tokens for r in self.rows]
+        for compressor in self.compressors:
+            key = reconstruction_key(compressor)
+            if key is None or key in out:
+                continue
+            t0 = now(self.engine.device)
+            scores = self.engine.reconstruction.scores(contexts, prefixes, capture.pending_layers(), *key)
+            out[key] = (scores, now(self.engine.device) - t0)
+        return out
+
+    def _decode_group(self, group: list[int], capture: CaptureCache, passes: dict, ctx_len, logits) -> None:
+        """Build the group's caches, stack them, answer every round; store each setting's share."""
+        built, caches = [], []
+        for index in group:
+            scores, pass_s = passes.get(reconstruction_key(self.compressors[index]), (None, 0.0))
+            cache = capture.compressed(index, observed=scores)
+            built.append(
+                (cache.context_entries.tolist(), cache.context_bytes.tolist(), cache.compress_seconds + pass_s)
+            )
+            caches.append(cache)
+        cache = caches[0] if len(caches) == 1 else VarLenCache.stacked(caches)
+        del caches  # the stacked copy is all that stays alive
+        g, b = len(group), len(self.rows)
+        decoder = self.engine.decoder
+        refs = None if self.reference is None else [[x.reference_tokens for x in rnd] * g for rnd in self.reference]
+        per_round = decoder.answer_rounds(
+            cache, self.rows * g, ctx_len.repeat(g), logits.repeat(g, 1), self.limits * g, refs
+        )
+        if self.reference is None and not self.compressors[group[0]].config.compresses:
+            own = [[x.reference_tokens for x in rnd] for rnd in per_round]
+            decoder.measure_fidelity(cache, self.rows, ctx_len, logits, per_round, own)
+            self.reference = per_round
+        for j, index in enumerate(group):
+            entries, kept_bytes, compress_s = built[j]
+            share = [rnd[j * b : (j + 1) * b] for rnd in per_round]
+            self.results[index] = (entries, kept_bytes, compress_s, share)
