@@ -18,7 +18,7 @@ from pipeline.compact import main as compact_main
 from pipeline.data import write_documents
 from pipeline.data.schema import SCHEMA_VERSION_KEY
 from pipeline.distributed import sink
-from pipeline.distributed.cluster import LocalRayRecord, stop_dead_sessions
+from pipeline.distributed.cluster import stop_dead_sessions
 from pipeline.distributed.config import LongDocQAJob, SummarizeJob
 from pipeline.engine.decoding import last_sentence_end
 
@@ -84,18 +84,32 @@ def test_dead_drivers_recorded_processes_are_stopped_by_pid_only(tmp_path):
             proc.wait()
 
 
+_OWN_RECORD_SCRIPT = """
+import json, subprocess, sys
+from pathlib import Path
+from pipeline.distributed.cluster import LocalRayRecord
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+try:
+    record = LocalRayRecord(Path(sys.argv[1]))
+    record.write()
+    listed = {p["pid"] for p in json.loads(record.path.read_text())["processes"]}
+    assert child.pid in listed, listed
+    assert record.stop_leftovers() >= 1 and child.wait(timeout=10) is not None
+    assert not record.path.exists()
+finally:
+    child.kill()
+    child.wait()
+print("ok")
+"""
+
+
 def test_a_drivers_own_record_lists_its_children_and_is_removed_at_shutdown(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        record = LocalRayRecord(tmp_path)
-        record.write()
-        listed = {p["pid"] for p in json.loads(record.path.read_text())["processes"]}
-        assert child.pid in listed
-        assert record.stop_leftovers() >= 1 and child.wait(timeout=10) is not None
-        assert not record.path.exists()
-    finally:
-        child.kill()
-        child.wait()
+    # in a process of its own: the record lists (and stops) every child of the process that writes it,
+    # which in this test process includes the module's local Ray
+    done = subprocess.run(
+        [sys.executable, "-c", _OWN_RECORD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 @pytest.mark.parametrize(
