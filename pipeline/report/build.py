@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from pipeline.data.locations import is_uri
 
-from . import plots, tables
+from . import comparisons, plots, tables
 from .perturbation import headline
 
 
@@ -61,6 +61,9 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
         plots.fidelity(fid, out_dir / "fidelity.png")
         parts.append("![answer fidelity](fidelity.png)\n")
 
+    if quality and fid:
+        parts += _comparison_sections(tables.compression_loss(quality), fid)
+
     cost = tables.costs(table)
     if cost:
         parts += ["## Cost per method (medians over rows without error)\n", tables.markdown(cost)]
@@ -70,6 +73,22 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
     path = out_dir / "report.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def _comparison_sections(loss: list[dict], fid: list[dict]) -> list[str]:
+    """The best methods per cache size and CriticalKV against top-k on the same base method."""
+    parts = ["## Best methods per cache size (by average score; ties by the lower NLL increase)\n"]
+    parts.append(tables.markdown(comparisons.best_methods(loss, fid)))
+    effect = comparisons.criticalkv_effect(loss, fid)
+    if effect:
+        parts += [
+            "## CriticalKV against top-k on the same scorer and allocation\n",
+            "Ratios CriticalKV / top-k of the relative score loss and of the NLL increase (< 1: CriticalKV "
+            "lowers it); the summary averages over cache sizes.\n",
+            tables.markdown(comparisons.criticalkv_summary(effect)),
+            tables.markdown(effect),
+        ]
+    return parts
 
 
 def _perturbation_section(files: list[Path], out_dir: Path) -> list[str]:

@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.schema import rows_to_table
-from pipeline.report import build_report, tables
+from pipeline.report import build_report, comparisons, tables
 from pipeline.report.__main__ import main
 
 
@@ -70,6 +70,27 @@ def test_aggregates_match_hand_computed(tmp_path):
     assert fidelity["criticalkv-snapkv"]["nll"] == pytest.approx(1.0 + 0.8 * 0.75)
 
 
+def test_best_methods_and_criticalkv_effect_match_hand_computed():
+    table = rows_to_table(_rows())
+    loss = tables.compression_loss(tables.quality(table)[0])
+    fid = tables.fidelity(table)
+    best = comparisons.best_methods(loss, fid, top=5)
+    assert [r["method"] for r in best] == ["criticalkv-snapkv", "snapkv"]  # by score, best first
+    assert best[0]["of_full_cache"] == pytest.approx(0.75) and best[0]["nll_delta"] == pytest.approx(0.6)
+    (effect,) = comparisons.criticalkv_effect(loss, fid)
+    assert effect["base"] == "snapkv" and effect["cache_size"] == 0.2
+    assert effect["loss_ratio"] == pytest.approx(0.25 / 0.75)  # CriticalKV lowers the loss here ...
+    assert effect["nll_delta_ratio"] == pytest.approx(0.6 / 0.2)  # ... and raises the NLL increase
+    (summary,) = comparisons.criticalkv_summary([effect])
+    assert summary["loss_lower_in"] == "1/1" and summary["nll_delta_lower_in"] == "0/1"
+
+
+def test_best_methods_break_score_ties_by_fidelity():
+    loss = [{"method": m, "cache_size": 0.2, "average": 0.5, "full_cache": 1.0, "relative_loss": 0.5} for m in "abc"]
+    fid = [{"method": "a", "cache_size": 0.2, "nll_delta": 0.3}, {"method": "b", "cache_size": 0.2, "nll_delta": 0.1}]
+    assert [r["method"] for r in comparisons.best_methods(loss, fid, top=2)] == ["b", "a"]
+
+
 def test_report_files_and_cli(tmp_path):
     out = tmp_path / "run"
     (out / "data").mkdir(parents=True)
@@ -78,6 +99,7 @@ def test_report_files_and_cli(tmp_path):
     text = md.read_text()
     assert "Score by method and cache size" in text and "compression_loss.png" in text
     assert "Answer fidelity" in text and "fidelity.png" in text
+    assert "Best methods per cache size" in text and "CriticalKV against top-k" in text
     for name in ["score_vs_cache_size.png", "compression_loss.png", "costs.png", "fidelity.png"]:
         assert (out / name).stat().st_size > 5000
     assert main([str(out)]) == 0
