@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: answer_nll, answer_nll_delta (answer fidelity of sweeps)
+SCHEMA_VERSION = 3  # 2: answer_nll, answer_nll_delta (answer fidelity of sweeps); 3: kv_bytes_reserved, kv_bytes_used
 SCHEMA_VERSION_KEY = b"pipeline.schema_version"
 
 # Who fills each column (the single place the output contract is written down):
@@ -52,6 +52,9 @@ _OUTPUT_FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("kv_entries_kept", pa.int64(), ANSWER),
     ("kv_bytes_full", pa.int64(), ANSWER),
     ("kv_bytes_kept", pa.int64(), ANSWER),
+    # the cache while answering: allocated (incl. room reserved for the question and answer) and filled
+    ("kv_bytes_reserved", pa.int64(), ANSWER),
+    ("kv_bytes_used", pa.int64(), ANSWER),
     ("ttft_s", pa.float64(), ANSWER),
     ("compress_s", pa.float64(), ANSWER),
     ("decode_s", pa.float64(), ANSWER),

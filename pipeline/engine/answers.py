@@ -65,6 +65,8 @@ def make_answers(
                     kv_entries_kept=int(cost.entries[b]),
                     kv_bytes_full=full_entries * 2 * shape.head_dim * shape.itemsize,
                     kv_bytes_kept=int(cost.kept_bytes[b]),
+                    kv_bytes_reserved=result.kv_bytes_reserved,
+                    kv_bytes_used=result.kv_bytes_used,
                     ttft_s=cost.ttft_base_s + result.question_s,
                     compress_s=cost.compress_s,
                     decode_s=result.decode_s,

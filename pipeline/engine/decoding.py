@@ -33,6 +33,8 @@ class RoundResult:
     token_ids: list[int] = field(default_factory=list)  # the answer's tokens (EOS excluded)
     stop_id: int | None = None  # the EOS id that ended the answer, None when the limit did
     answer_nll: float | None = None  # fidelity: mean NLL of the reference answer (engine.fidelity)
+    kv_bytes_reserved: int | None = None  # the row's cache at the round's end: allocated slots ...
+    kv_bytes_used: int | None = None  # ... and filled ones (context kept + question + answer)
 
     @property
     def reference_tokens(self) -> list[int]:
@@ -142,6 +144,7 @@ class Decoder:
         t1 = now(self.device)
         tokens, stops, steps = self._greedy(cache, logits, (ctx_len + q_len).to(self.device), limits)
         decode_s = now(self.device) - t1
+        reserved, used = cache.bytes_per_row().tolist(), cache.used_bytes_per_row().tolist()
         return [
             RoundResult(
                 text=self._text(tokens[b], stops[b]),
@@ -152,6 +155,8 @@ class Decoder:
                 steps=steps,
                 token_ids=tokens[b],
                 stop_id=stops[b],
+                kv_bytes_reserved=int(reserved[b]),
+                kv_bytes_used=int(used[b]),
             )
             for b in range(len(rows))
         ]

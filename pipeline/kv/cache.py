@@ -298,6 +298,10 @@ class VarLenCache(ChunkCache):
         """(B,) bytes held per row (see :meth:`VarLenLayer.bytes_per_row`)."""
         return sum(layer.bytes_per_row() for layer in self.store)
 
+    def used_bytes_per_row(self) -> torch.Tensor:
+        """(B,) bytes of the filled slots per row (see :meth:`VarLenLayer.used_bytes_per_row`)."""
+        return sum(layer.used_bytes_per_row() for layer in self.store)
+
     def nbytes(self) -> int:
         """Bytes of every tensor held by the cache."""
         return sum(layer.nbytes() for layer in self.store if layer is not None)

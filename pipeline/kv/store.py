@@ -344,12 +344,20 @@ class VarLenLayer:
     def bytes_per_row(self) -> torch.Tensor:
         """(B,) bytes held per row: its reserved slots' share of every per-entry tensor plus its
         segment-table rows. Summed over rows this equals :meth:`nbytes` when buffers are exactly sized."""
+        return self._row_bytes(self.capacity)
+
+    def used_bytes_per_row(self) -> torch.Tensor:
+        """(B,) bytes of the slots each row fills (its segments' lengths) plus its segment-table rows;
+        at most :meth:`bytes_per_row`, equal to it until room for appends is reserved."""
+        return self._row_bytes(self.length)
+
+    def _row_bytes(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots: (S,) slots counted per segment -> (B,) bytes per row of every per-entry tensor."""
         per_entry = self.keys.element_size() * self.keys.shape[-1] + self.values.element_size() * self.values.shape[-1]
         per_entry += self.positions.element_size()
         per_entry += sum(t.element_size() for t in (self.acc_attention, self.value_norm) if t is not None)
         per_segment = sum(t.element_size() for t in (self.start, self.length, self.capacity))
-        capacity = self.capacity.view(self.num_rows, self.num_heads).sum(-1)
-        return capacity * per_entry + self.num_heads * per_segment
+        return slots.view(self.num_rows, self.num_heads).sum(-1) * per_entry + self.num_heads * per_segment
 
     def clone(self) -> VarLenLayer:
         copy = VarLenLayer(

@@ -37,6 +37,8 @@ EXPECTED = {
     "kv_entries_kept": pa.int64(),
     "kv_bytes_full": pa.int64(),
     "kv_bytes_kept": pa.int64(),
+    "kv_bytes_reserved": pa.int64(),
+    "kv_bytes_used": pa.int64(),
     "ttft_s": pa.float64(),
     "compress_s": pa.float64(),
     "decode_s": pa.float64(),
@@ -50,11 +52,11 @@ EXPECTED = {
 
 
 def test_schema_has_exactly_the_contract_columns_and_version():
-    assert SCHEMA_VERSION == 2
+    assert SCHEMA_VERSION == 3
     assert list(OUTPUT_COLUMNS) == list(EXPECTED)
     for name, dtype in EXPECTED.items():
         assert OUTPUT_SCHEMA.field(name).type.equals(dtype), name
-    assert schema_version(OUTPUT_SCHEMA) == 2
+    assert schema_version(OUTPUT_SCHEMA) == 3
     for name in ("budget", "reference", "score", "prediction", "error"):
         assert OUTPUT_SCHEMA.field(name).nullable
 

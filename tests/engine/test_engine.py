@@ -69,6 +69,18 @@ def test_batch_equals_one_by_one(method, priors):
 
 
 @pytest.mark.parametrize("method", ["none", "criticalkv-adakv-snapkv"])
+def test_answers_report_reserved_and_used_cache_bytes(method):
+    engine = _engine(method=method, cache_size=0.5, max_new=6)
+    (answer,) = engine.generate([Request("d", TEXT * 3, ["Who jumps?"])])
+    shape = engine.shape
+    per_entry = 2 * shape.head_dim * shape.itemsize + 4  # K and V rows + the int32 original position
+    appended = answer.question_tokens + answer.generated_tokens - 1  # the last token is never fed back
+    grown = appended * shape.num_layers * shape.num_kv_heads * per_entry
+    assert answer.kv_bytes_used == answer.kv_bytes_kept + grown
+    assert answer.kv_bytes_reserved >= answer.kv_bytes_used
+
+
+@pytest.mark.parametrize("method", ["none", "criticalkv-adakv-snapkv"])
 def test_many_questions_equal_separate_runs(method):
     questions = ["Who jumps?", "What is in the box?", "Is the dog lazy?"]
     engine = _engine(method=method, cache_size=0.5, batch_size=2)
