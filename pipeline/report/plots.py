@@ -26,13 +26,13 @@ def _styles(methods: list[str]) -> dict[str, dict]:
     with equal values stay visible side by side instead of drawing on top of each other."""
     colours = _colours(methods)
     ordered = sorted(methods)
-    spread = 0.012 * (len(ordered) - 1)
+    step = min(0.024, 0.05 / max(1, len(ordered) - 1))  # offsets stay within +-0.025 of the true x
     return {
         m: {
             "color": colours[m],
             "marker": _MARKERS[i % len(_MARKERS)],
             "linestyle": _LINES[(i // 20) % len(_LINES)],
-            "offset": (i * 0.024 - spread) if len(ordered) > 1 else 0.0,
+            "offset": (i - (len(ordered) - 1) / 2) * step,
         }
         for i, m in enumerate(ordered)
     }
@@ -40,7 +40,7 @@ def _styles(methods: list[str]) -> dict[str, dict]:
 
 def _line(ax, points: list[tuple[float, float]], method: str, style: dict) -> None:
     if points:
-        xs = [x + style["offset"] * 0.5 for x, _ in points]
+        xs = [x + style["offset"] for x, _ in points]
         ax.plot(
             xs,
             [y for _, y in points],
@@ -96,31 +96,42 @@ def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) 
 
 
 def compression_loss(loss_rows: list[dict], path: Path) -> Path:
-    """Grouped bars: relative loss vs full cache (%) per cache size, a bar per method."""
-    sizes = sorted({r["cache_size"] for r in loss_rows})
-    methods = sorted({r["method"] for r in loss_rows})
+    """Relative loss vs the full cache (%), one panel per cache size, a bar per method."""
+    values = {
+        (r["method"], r["cache_size"]): 100.0 * r["relative_loss"] for r in loss_rows if r["relative_loss"] is not None
+    }
+    return _ranked_bars(
+        values,
+        path,
+        xlabel="loss vs full cache (%, lower is better)",
+        title="Compression loss relative to the full cache (average over tasks)",
+    )
+
+
+def _ranked_bars(values: dict[tuple[str, float], float], path: Path, xlabel: str, title: str) -> Path:
+    """values: (method, cache_size) -> value. One panel per cache size; every method has its own row
+    (ordered by its mean over sizes, best at the top, the same in every panel), so methods with equal
+    values never hide each other, however many there are."""
+    sizes = sorted({size for _, size in values})
+    methods = sorted({m for m, _ in values})
+    mean = {
+        m: sum(v for (mm, _), v in values.items() if mm == m) / sum(1 for mm, _ in values if mm == m) for m in methods
+    }
+    order = sorted(methods, key=lambda m: (-mean[m], m))  # worst first: barh draws bottom-up
     colours = _colours(methods)
-    width = 0.8 / max(1, len(methods))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(sizes) * max(1, len(methods)) / 3), 4))
-    for j, method in enumerate(methods):
-        xs, ys = [], []
-        for i, size in enumerate(sizes):
-            hit = [
-                r
-                for r in loss_rows
-                if r["method"] == method and r["cache_size"] == size and r["relative_loss"] is not None
-            ]
-            if hit:
-                xs.append(i + (j - (len(methods) - 1) / 2) * width)
-                ys.append(100.0 * hit[0]["relative_loss"])
-        ax.bar(xs, ys, width=width, color=colours[method], label=method)
-    ax.set_xticks(range(len(sizes)), [f"{s:g}" for s in sizes])
-    ax.set_xlabel("cache size (kept fraction)")
-    ax.set_ylabel("loss vs full cache (%, lower is better)")
-    ax.set_title("Compression loss relative to the full cache (average over tasks)")
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    height = max(2.5, 0.2 * len(order) + 1.2)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(3.4 * len(sizes) + 2.8, height), sharey=True, squeeze=False)
+    for ax, size in zip(axes.flat, sizes):
+        ys = [i for i, m in enumerate(order) if (m, size) in values]
+        xs = [values[(order[i], size)] for i in ys]
+        ax.barh(ys, xs, color=[colours[order[i]] for i in ys], height=0.7)
+        ax.plot(xs, ys, linestyle="none", marker="|", color="black", markersize=7)  # zero stays visible
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_title(f"cache size {size:g}", fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    axes.flat[0].set_yticks(range(len(order)), order, fontsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -199,21 +210,12 @@ def perturbation_heatmaps(table, path: Path, probe: str = "later") -> Path | Non
 
 
 def fidelity(rows: list[dict], path: Path) -> Path:
-    """Answer fidelity: mean NLL increase of the full cache's answer vs cache size, a line per method."""
-    methods = sorted({r["method"] for r in rows})
-    styles = _styles(methods)
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for method in methods:
-        pts = sorted((r["cache_size"], r["nll_delta"]) for r in rows if r["method"] == method)
-        _line(ax, pts, method, styles[method])
-    ax.axhline(0, color="black", linestyle="--", linewidth=1, label="full cache")
-    ax.set_xlim(0, 1.02)
-    ax.set_xlabel("cache size (kept fraction)")
-    ax.set_ylabel("NLL of the full-cache answer: compressed - full (nats/token, lower is better)")
-    ax.set_title("Answer fidelity per method (x offset slightly per method)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    """Answer fidelity: mean NLL increase of the full cache's answer, one panel per cache size,
+    a bar per method (the full cache is 0)."""
+    values = {(r["method"], r["cache_size"]): r["nll_delta"] for r in rows if r["nll_delta"] is not None}
+    return _ranked_bars(
+        values,
+        path,
+        xlabel="NLL increase of the full-cache answer (nats/token, lower is better)",
+        title="Answer fidelity: NLL of the full cache's answer under each cache, minus the full cache's",
+    )

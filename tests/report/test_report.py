@@ -134,3 +134,22 @@ def test_perturbation_section(tmp_path):
     text = build_report([out], out).read_text()
     assert "| later | criticalkv-snapkv | snapkv | 0.200 | 6 | 0.833 |" in text
     assert (out / "perturbation_heatmap.png").stat().st_size > 5000
+
+
+def test_plots_of_many_methods_stay_readable(tmp_path):
+    from PIL import Image
+
+    from pipeline.report import plots
+
+    methods = [f"method-{i:02d}" for i in range(40)]
+    loss = [
+        {"method": m, "cache_size": size, "relative_loss": 0.0 if i < 10 else i / 40}
+        for i, m in enumerate(methods)
+        for size in (0.1, 0.2, 0.4)
+    ]
+    fid = [{"method": r["method"], "cache_size": r["cache_size"], "nll_delta": r["relative_loss"]} for r in loss]
+    for path in (plots.compression_loss(loss, tmp_path / "l.png"), plots.fidelity(fid, tmp_path / "f.png")):
+        width, height = Image.open(path).size
+        assert width <= 2000 and height <= 1400  # one panel per cache size, a row per method
+    styles = plots._styles(methods)
+    assert max(abs(s["offset"]) for s in styles.values()) <= 0.025 + 1e-9
