@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from pipeline.apps.batch_jobs import config_from_args
 from pipeline.distributed import JobConfigError, run_job
-from pipeline.distributed.config import JobConfig
+from pipeline.distributed.config import DEFAULT_JOB_CACHE_SIZE, DEFAULT_JOB_METHOD, JobConfig
 from tests.distributed.conftest import ROOT, tiny_config
 
 
@@ -91,13 +91,14 @@ def test_yaml_then_flags_layering(tmp_path):
 def test_job_defaults_and_fresh_output_dir():
     qa = config_from_args("longdoc_qa", [])
     assert qa.job == "longdoc_qa" and qa.input is None and qa.model.name == "smollm2"
-    assert qa.compression.method == "criticalkv-snapkv" and str(qa.output).startswith("outputs/longdoc_qa-")
+    assert qa.compression.method == DEFAULT_JOB_METHOD == "criticalkv-layer-kvzip"
+    assert qa.compression.cache_size == DEFAULT_JOB_CACHE_SIZE and str(qa.output).startswith("outputs/longdoc_qa-")
     summary = config_from_args("summarize", ["--max-new-tokens", "50"])
     assert summary.instruction and summary.generation.max_new_tokens == 50
     assert str(summary.output).startswith("outputs/summarize-")
     # a flag over the job's default method keeps the rest of it: selection stays criticalkv
     partial = config_from_args("longdoc_qa", ["--allocation", "adakv", "--cache-size", "0.3"])
-    assert partial.compression.method == "criticalkv-adakv-snapkv" and partial.compression.cache_size == 0.3
+    assert partial.compression.method == "criticalkv-adakv-kvzip" and partial.compression.cache_size == 0.3
     assert config_from_args("longdoc_qa", ["--method", "none"]).compression.method == "none"
 
 
@@ -120,7 +121,7 @@ def test_every_option_has_help_with_its_default():
             if action.option_strings and action.dest not in ("help", "config"):
                 assert action.help and ("default:" in action.help or "(required)" in action.help), action.dest
         text = parser.parser.format_help()
-        assert "--method METHOD" in text and "(default: criticalkv-snapkv)" in text
+        assert "--method METHOD" in text and f"(default: {DEFAULT_JOB_METHOD})" in text
     assert "--question-column" in build_parser("longdoc_qa").parser.format_help()
     assert "--question-column" not in build_parser("summarize").parser.format_help()
     assert "--instruction" not in build_parser("longdoc_qa").parser.format_help()
