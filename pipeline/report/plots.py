@@ -61,7 +61,9 @@ def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) 
     styles = _styles(methods)
     cols = min(4, len(panels))
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    legend_rows = (len(methods) + 1 + 3) // 4  # 4 columns, the full cache's line included
+    legend_in = 0.2 + 0.17 * legend_rows
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows + legend_in), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         full = [
             r[panel]
@@ -86,10 +88,9 @@ def score_vs_cache_size(quality_rows: list[dict], tasks: list[str], path: Path) 
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    legend_rows = (len(labels) + 3) // 4
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7, frameon=False)
     fig.suptitle("Score vs cache size per method (markers offset slightly in x so equal scores stay visible)")
-    fig.tight_layout(rect=(0, min(0.5, 0.03 + 0.025 * legend_rows), 1, 0.95))
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -139,23 +140,23 @@ def _ranked_bars(values: dict[tuple[str, float], float], path: Path, xlabel: str
 
 
 def costs(cost_rows: list[dict], path: Path) -> Path:
-    """Four panels: TTFT, compression time, decode ms/token, kept KV MiB, per method and cache size."""
+    """Four panels: TTFT, compression time, decode ms/token, kept KV MiB; a row per (method, cache size)
+    so that any number of settings stays legible."""
     metrics = [
         ("ttft_s", "TTFT (s)"),
         ("compress_s", "compression (s)"),
         ("decode_ms_per_token", "decode (ms/token)"),
         ("kv_kept_MiB", "kept KV (MiB)"),
     ]
-    labels = [f"{r['method']}\n@{r['cache_size']:g}" for r in cost_rows]
+    ordered = sorted(cost_rows, key=lambda r: (r["method"], r["cache_size"]), reverse=True)  # top: a..z
+    labels = [f"{r['method']} @{r['cache_size']:g}" for r in ordered]
     colours = _colours(sorted({r["method"] for r in cost_rows}))
-    fig, axes = plt.subplots(1, 4, figsize=(max(12, 0.9 * len(labels) * 2), 4))
+    fig, axes = plt.subplots(1, 4, figsize=(15, max(3.0, 0.16 * len(labels) + 1.2)), sharey=True)
     for ax, (key, title) in zip(axes, metrics):
-        ax.bar(
-            range(len(labels)), [r.get(key) or 0 for r in cost_rows], color=[colours[r["method"]] for r in cost_rows]
-        )
-        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_title(title + " — median")
-        ax.grid(axis="y", alpha=0.3)
+        ax.barh(range(len(labels)), [r.get(key) or 0 for r in ordered], color=[colours[r["method"]] for r in ordered])
+        ax.set_title(title + " — median", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(labels)), labels, fontsize=6)
     fig.suptitle("Cost per method and cache size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -151,5 +151,19 @@ def test_plots_of_many_methods_stay_readable(tmp_path):
     for path in (plots.compression_loss(loss, tmp_path / "l.png"), plots.fidelity(fid, tmp_path / "f.png")):
         width, height = Image.open(path).size
         assert width <= 2000 and height <= 1400  # one panel per cache size, a row per method
+    costs = [
+        {
+            "method": m,
+            "cache_size": size,
+            "ttft_s": 1.0,
+            "compress_s": 0.1,
+            "decode_ms_per_token": 9.0,
+            "kv_kept_MiB": 2.0,
+        }
+        for m in methods
+        for size in (0.1, 0.2, 0.4)
+    ]
+    width, height = Image.open(plots.costs(costs, tmp_path / "c.png")).size
+    assert width <= 2000 and height <= 2400
     styles = plots._styles(methods)
     assert max(abs(s["offset"]) for s in styles.values()) <= 0.025 + 1e-9
