@@ -30,7 +30,7 @@ function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
   ragged cache costs what its entries cost. The CPU path after the prefill (question chunks and
   decode steps; uniform caches' decode steps read a dense view with SDPA instead).
 
-``choose_kernel`` picks one per call; ``CRITICALKV_VARLEN_KERNEL=reference|sdpa|flash`` forces
+``choose_kernel`` picks one per call; ``CRITICALKV_VARLEN_KERNEL=reference|sdpa|flash|blocked`` forces
 one (benchmarks, the GPU check). The flash path's packing is tested on CPU against a plain
 per-sequence implementation of ``flash_attn_varlen_func``'s documented semantics
 (``tests/kv/test_varlen_kernels.py``).
