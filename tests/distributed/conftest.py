@@ -14,6 +14,9 @@ from tests import faults as fault_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FACTORY = "tests.distributed.helpers:tiny_engine"
+# job flags that run the tiny in-code Llama on one CPU per actor (add --max-new-tokens and the rest)
+TINY_JOB_ARGS = ["--model", "tiny-llama", "--engine-factory", TINY_FACTORY, "--window", "4", "--kernel", "3"]
+TINY_JOB_ARGS += ["--cpus-per-actor", "1"]
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,9 @@ from pipeline.distributed.cluster import stop_dead_sessions
 from pipeline.distributed.config import LongDocQAJob, SummarizeJob
 from pipeline.engine.decoding import last_sentence_end
 
-from .conftest import TINY_FACTORY, small_docs
+from .conftest import TINY_JOB_ARGS, small_docs
 
-TINY = ["--model", "tiny-llama", "--engine-factory", TINY_FACTORY, "--window", "4", "--kernel", "3"]
-TINY += ["--max-new-tokens", "2", "--cpus-per-actor", "1"]
+TINY = [*TINY_JOB_ARGS, "--max-new-tokens", "2"]
 
 
 def _rows(data) -> list[tuple]:

@@ -18,22 +18,9 @@ import pytest
 from pipeline.apps.batch_jobs import main
 from pipeline.data import write_documents
 from pipeline.distributed import sink
-from tests.distributed.conftest import ROOT, TINY_FACTORY, small_docs
+from tests.distributed.conftest import ROOT, TINY_JOB_ARGS, small_docs
 
-TINY = [
-    "--model",
-    "tiny-llama",
-    "--engine-factory",
-    TINY_FACTORY,
-    "--window",
-    "4",
-    "--kernel",
-    "3",
-    "--max-new-tokens",
-    "2",
-    "--cpus-per-actor",
-    "1",
-]
+TINY = [*TINY_JOB_ARGS, "--max-new-tokens", "2"]
 
 
 def _job(tmp_path, *args):

@@ -25,7 +25,7 @@ import pytest
 
 from pipeline.data import write_documents
 from pipeline.distributed.sink import committed_files
-from tests.distributed.conftest import TINY_FACTORY, small_docs
+from tests.distributed.conftest import TINY_JOB_ARGS, small_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -39,19 +39,10 @@ def _command(path: Path, out: Path, *extra: str) -> list[str]:
         str(path),
         "--output",
         str(out),
-        "--model",
-        "tiny-llama",
-        "--engine-factory",
-        TINY_FACTORY,
-        "--window",
-        "4",
-        "--kernel",
-        "3",
+        *TINY_JOB_ARGS,
         "--max-new-tokens",
         "32",
         "--num-actors",
-        "1",
-        "--cpus-per-actor",
         "1",
         *extra,
     ]
