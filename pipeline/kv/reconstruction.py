@@ -79,7 +79,9 @@ class ReconstructionCache(ChunkCache):
         q = (query.float() * scaling).view(bsz, h_kv, h_q // h_kv, t, dim)  # group-major, scaled once
         c_idx, c_ok = self.chunk
         self._own_padding = bool((self.chunk_pos < 0).any())
-        excluded = self._excluded(ctx.key_pos)[:, None, None, :, None]  # (B, 1, 1, n, 1)
+        excluded = self._excluded(ctx.key_pos)
+        excluded = excluded[:, None, None, :, None] if bool(excluded.any()) else None  # (B, 1, 1, n, 1)
+        columns = self._common_columns(c_idx, c_ok)
         ctx_hidden = (ctx.key_pos < 0)[:, None, None, None, :] if bool((ctx.key_pos < 0).any()) else None
         weight = self._value_weight(idx, module, ctx, c_idx) if self.kvzip_plus else None
         out = torch.empty_like(query)
@@ -89,12 +91,14 @@ class ReconstructionCache(ChunkCache):
             probs = self._probs(q[:, :, :, begin:end], keys[:, :, : n + end], ctx_hidden, begin, n)
             rows = probs.reshape(bsz, h_kv, -1, n + end)  # (B, H_kv, G*Tb, n + end): one batched matmul per KV head
             out[:, :, begin:end] = torch.matmul(rows, values[:, :, : n + end]).view(bsz, h_q, end - begin, dim)
-            chunk = self._chunk_weights(probs[..., :n], excluded, c_idx)  # (B, H_kv, G, Tb, M)
+            chunk = self._chunk_weights(probs[..., :n], excluded, c_idx, columns)  # (B, H_kv, G, Tb, M)
             if weight is not None:
                 norms = self._hidden_norm(idx, slice(begin, end))[:, None, None, :, None]
                 chunk = chunk * weight.view(bsz, h_kv, h_q // h_kv, 1, -1) / norms
             q_ok = (self.chunk_pos[:, begin:end] >= 0)[:, None, None, :, None]
-            best = torch.maximum(best, chunk.masked_fill(~q_ok, float("-inf")).amax(dim=(2, 3)))
+            if self._own_padding:
+                chunk = chunk.masked_fill(~q_ok, float("-inf"))
+            best = torch.maximum(best, chunk.amax(dim=(2, 3)))
         flat = best.masked_fill(~c_ok[:, None, :], float("-inf"))  # padding slots change nothing below
         self.scores[idx].scatter_reduce_(2, c_idx[:, None, :].expand(-1, h_kv, -1), flat, reduce="amax")
         return out
@@ -127,13 +131,28 @@ class ReconstructionCache(ChunkCache):
         return ((key_pos >= 0) & ~inside).float()
 
     @staticmethod
-    def _chunk_weights(ctx_probs, excluded, c_idx) -> torch.Tensor:
-        """The chunk columns of the restricted softmax: full probabilities / the allowed mass.
+    def _common_columns(c_idx: torch.Tensor, c_ok: torch.Tensor) -> slice | None:
+        """The chunk's dense columns as one slice when every row's chunk is the same full range
+        (one row, or rows of equal length): the weights are then a view, not a gather."""
+        first = c_idx[:, 0]
+        if bool(c_ok.all()) and bool((first == first[0]).all()):
+            return slice(int(first[0]), int(first[0]) + c_idx.shape[1])
+        return None
+
+    @staticmethod
+    def _chunk_weights(ctx_probs, excluded, c_idx, columns: slice | None = None) -> torch.Tensor:
+        """The chunk columns of the restricted softmax: full probabilities / the allowed mass (1 when
+        no context entry is ``excluded``, e.g. one pass covering the whole context).
         ctx_probs: (B, H_kv, G, Tb, n) -> (B, H_kv, G, Tb, M)."""
         bsz, h_kv, groups, tb, _ = ctx_probs.shape
+        if columns is not None:
+            weights = ctx_probs[..., columns]
+        else:
+            weights = torch.gather(ctx_probs, 4, c_idx[:, None, None, None, :].expand(-1, h_kv, groups, tb, -1))
+        if excluded is None:
+            return weights
         mass = 1.0 - torch.matmul(ctx_probs, excluded)  # (B, H_kv, G, Tb, 1)
-        index = c_idx[:, None, None, None, :].expand(-1, h_kv, groups, tb, -1)
-        return torch.gather(ctx_probs, 4, index) / mass.clamp(min=1e-30)
+        return weights / mass.clamp(min=1e-30)
 
     def _value_weight(self, idx: int, module, ctx: PendingLayer, c_idx: torch.Tensor) -> torch.Tensor:
         """KVzip+: ||V_i W_O^h||_2 of the chunk's entries per query head, (B, H_kv, G, M)."""

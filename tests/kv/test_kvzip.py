@@ -82,26 +82,37 @@ def _value_weight(v, o_weight):
     return w
 
 
-def test_one_pass_matches_naive_attention_and_scores():
-    n, lengths, t = 30, (30, 21), 7
-    sinks, starts, ends = torch.tensor([3, 2]), torch.tensor([3, 9]), torch.tensor([17, 21])
-    ctx_k, ctx_v = _rand(2, H_KV, n, D, seed=1), _rand(2, H_KV, n, D, seed=2)
-    ctx_pos = torch.full((2, n), -1)
+PASS_CASES = {
+    # rows of different lengths (left padding), chunks that leave context entries out of the softmax
+    "padded-partial-chunks": ((30, 21), (3, 2), (3, 9), (17, 21), (0, 2)),
+    # rows of equal length whose pass covers the whole context after the sinks (the common one-pass case)
+    "equal-rows-whole-context": ((30, 30), (3, 3), (3, 3), (30, 30), (0, 0)),
+    "one-row-whole-context": ((30,), (4,), (4,), (30,), (0,)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PASS_CASES))
+def test_one_pass_matches_naive_attention_and_scores(case):
+    lengths, sinks, starts, ends, own_padding = PASS_CASES[case]
+    bsz, n, t = len(lengths), 30, 7
+    sinks, starts, ends = torch.tensor(sinks), torch.tensor(starts), torch.tensor(ends)
+    ctx_k, ctx_v = _rand(bsz, H_KV, n, D, seed=1), _rand(bsz, H_KV, n, D, seed=2)
+    ctx_pos = torch.full((bsz, n), -1)
     for b, length in enumerate(lengths):
         ctx_pos[b, n - length :] = torch.arange(length)
-    q, own_k, own_v = _rand(2, H_Q, t, D, seed=3) * 2, _rand(2, H_KV, t, D, seed=4), _rand(2, H_KV, t, D, seed=5)
-    own_pos = torch.tensor([[30 + i for i in range(t)], [-1, -1] + [21 + i for i in range(t - 2)]])
+    q, own_k, own_v = _rand(bsz, H_Q, t, D, seed=3) * 2, _rand(bsz, H_KV, t, D, seed=4), _rand(bsz, H_KV, t, D, seed=5)
+    own_pos = torch.tensor([[-1] * pad + [length + i for i in range(t - pad)] for length, pad in zip(lengths, own_padding)])
     o_weight = _rand(HIDDEN, H_Q * D, seed=6)
     module = SimpleNamespace(layer_idx=0, o_proj=SimpleNamespace(weight=o_weight))
     for plus in (False, True):
-        scores = [torch.zeros(2, H_KV, n)]
+        scores = [torch.zeros(bsz, H_KV, n)]
         layer = PendingLayer(module, ctx_k, ctx_v, ctx_pos, D**-0.5, None)
         cache = ReconstructionCache([layer], starts, ends, sinks, scores, kvzip_plus=plus)
         cache.begin_chunk(own_pos)
-        hidden = torch.rand(2, t, generator=torch.Generator().manual_seed(7)) + 0.5
+        hidden = torch.rand(bsz, t, generator=torch.Generator().manual_seed(7)) + 0.5
         cache.hidden_norms[0] = hidden
         out = cache.attend(module, q, own_k, own_v, D**-0.5)
-        for b in range(2):
+        for b in range(bsz):
             weight = _value_weight(ctx_v[b], o_weight) if plus else None
             ref_out, ref_scores = _naive(
                 q[b],
