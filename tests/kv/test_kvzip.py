@@ -101,7 +101,9 @@ def test_one_pass_matches_naive_attention_and_scores(case):
     for b, length in enumerate(lengths):
         ctx_pos[b, n - length :] = torch.arange(length)
     q, own_k, own_v = _rand(bsz, H_Q, t, D, seed=3) * 2, _rand(bsz, H_KV, t, D, seed=4), _rand(bsz, H_KV, t, D, seed=5)
-    own_pos = torch.tensor([[-1] * pad + [length + i for i in range(t - pad)] for length, pad in zip(lengths, own_padding)])
+    own_pos = torch.tensor(
+        [[-1] * pad + [length + i for i in range(t - pad)] for length, pad in zip(lengths, own_padding)]
+    )
     o_weight = _rand(HIDDEN, H_Q * D, seed=6)
     module = SimpleNamespace(layer_idx=0, o_proj=SimpleNamespace(weight=o_weight))
     for plus in (False, True):
