@@ -7,6 +7,8 @@ Runs, one after another with this Python (``make bench`` = this script, full siz
 3. ``pipeline_overhead.py``   Ray pipeline vs plain loop (skipped if the script is absent)
 4. ``vs_kvpress.py``          side by side with kvpress 0.5.5 (creates its venv on first use)
 5. ``full_cache_scaling.py``  full cache vs criticalkv-adakv-snapkv as the context grows
+6. ``decode_paths.py``        the decode step: previous CPU path vs current, identical tokens
+7. ``compile_probe.py``       torch.compile of transformers' static-cache decode step vs eager
 
 Each script's stdout is shown live and saved to ``benchmarks/results/<name>.md`` (``--quick``:
 ``benchmarks/results/quick/``); everything is
@@ -51,6 +53,8 @@ FULL = {
         "--decode-steps": "16",
         "--out": "",
     },
+    "decode_paths": {"--lengths": "2048,8192", "--repeats": "3", "--out": ""},
+    "compile_probe": {"--length": "2048", "--out": ""},
 }
 QUICK = {
     "roofline": {"--repeats": "3", "--bandwidth-mib": "256", "--matmul-n": "1024"},
@@ -71,6 +75,8 @@ QUICK = {
         "--decode-steps": "4",
         "--out": "",
     },
+    "decode_paths": {"--lengths": "512", "--repeats": "1", "--steps": "6", "--out": ""},
+    "compile_probe": {"--length": "256", "--steps": "4", "--out": ""},
 }
 
 

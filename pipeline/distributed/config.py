@@ -248,14 +248,14 @@ class JobConfig(BaseModel):
     def identity(self) -> dict:
         """The settings that decide what a result row means; a resumed run must match them.
 
-        Resources, batching and input location may change between runs into the same output
-        directory; the model, method, budgets, decoding limits and prompts may not.
+        Resources, batching, the weights' memory order and input location may change between runs
+        into the same output directory; the model, method, budgets, decoding limits and prompts may not.
         """
         return {
             "job": self.job,
             "instruction": self.instruction,
             "engine_factory": self.engine_factory,
-            "model": self.model.model_dump(mode="json", exclude={"cache_dir"}),
+            "model": self.model.model_dump(mode="json", exclude={"cache_dir", "weight_layout"}),
             "compression": self.compression.model_dump(mode="json"),
             "sweep": [c.model_dump(mode="json") for c in self.sweep],
             "generation": self.generation.model_dump(mode="json", exclude={"batch_size", "settings_per_decode"}),

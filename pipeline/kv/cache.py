@@ -13,7 +13,8 @@ Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_ch
    segment, :meth:`attend` runs attention over the variable-length segments with the kernel
    :func:`~pipeline.kv.varlen_kernels.choose_kernel` picks (fp32 reference on CPU, flash-attn's
    varlen kernel or SDPA on CUDA). A decode step over a uniform, padding-free cache (uniform
-   budgets) skips all of that: SDPA reads a zero-copy (B, H_kv, L, D) view of the store.
+   budgets) skips all of that: it reads a zero-copy (B, H_kv, L, D) view of the store (grouped
+   matmuls on CPU, :func:`~pipeline.kv.attention.grouped_decode_attention`; SDPA on CUDA).
 3. Optional decode-time cap (``max_cache_tokens``, :mod:`pipeline.kv.decode_cap`).
 
 Public read-back: :meth:`kept_positions` gives the original positions held for (layer, row, head).
@@ -27,11 +28,17 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from .attention import dense_prefill_attention, varlen_attention
+from .attention import dense_prefill_attention, grouped_decode_attention, varlen_attention
 from .compress import Compressor, LayerSelection, PendingLayer
 from .decode_cap import DecodeCap
 from .store import VarLenLayer
-from .varlen_kernels import blocked_attention, choose_kernel, flash_varlen_attention, sdpa_varlen_attention
+from .varlen_kernels import (
+    blocked_attention,
+    choose_kernel,
+    dense_decode_kernel,
+    flash_varlen_attention,
+    sdpa_varlen_attention,
+)
 
 
 class ChunkCache(Cache):
@@ -200,9 +207,15 @@ class VarLenCache(ChunkCache):
         dense = layer.dense_view() if query.shape[2] == 1 and kernel != "flash" and not track else None
         if dense is not None:
             # one new token per row over a uniform, padding-free cache: every held entry precedes
-            # it, so no mask is needed and SDPA reads the store in place
-            keys, values = dense[0].to(query.dtype), dense[1].to(query.dtype)
-            return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=True), "dense-sdpa"
+            # it, so no mask is needed and the store is read in place (grouped matmuls on CPU unless
+            # SDPA is forced, SDPA's fused kernel on CUDA)
+            keys, values = dense
+            if dense_decode_kernel(query) == "sdpa":
+                out = F.scaled_dot_product_attention(
+                    query, keys.to(query.dtype), values.to(query.dtype), scale=scaling, enable_gqa=True
+                )
+                return out, "dense-sdpa"
+            return grouped_decode_attention(query, keys, values, scaling), "dense-grouped"
         if kernel == "flash":
             return flash_varlen_attention(query, layer, scaling), kernel
         if kernel == "blocked":

@@ -28,12 +28,13 @@ function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
   probability-weighted values are batched matmuls per block, and the softmax's max and sum are
   reduced per segment with ``scatter_reduce`` / ``index_add``. Nothing of the cache is copied, so a
   ragged cache costs what its entries cost. The CPU path after the prefill (question chunks and
-  decode steps; uniform caches' decode steps read a dense view with SDPA instead).
+  decode steps; uniform caches' decode steps read a dense view with grouped matmuls instead).
 
 ``choose_kernel`` picks one per call; ``CRITICALKV_VARLEN_KERNEL=reference|sdpa|flash|blocked`` forces
-one (benchmarks, the GPU check). The flash path's packing is tested on CPU against a plain
-per-sequence implementation of ``flash_attn_varlen_func``'s documented semantics
-(``tests/kv/test_varlen_kernels.py``).
+one (benchmarks, the GPU check). ``dense_decode_kernel`` picks how a decode step reads a uniform
+cache's dense view (``CRITICALKV_DENSE_DECODE=grouped|sdpa`` forces one). The flash path's
+packing is tested on CPU against a plain per-sequence implementation of
+``flash_attn_varlen_func``'s documented semantics (``tests/kv/test_varlen_kernels.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ import torch.nn.functional as F
 
 KERNEL_ENV = "CRITICALKV_VARLEN_KERNEL"
 KERNELS = ("reference", "sdpa", "flash", "blocked")
+DENSE_ENV = "CRITICALKV_DENSE_DECODE"
+DENSE_KERNELS = ("grouped", "sdpa")
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,6 +79,20 @@ def choose_kernel(query: torch.Tensor, need_probs: bool) -> str:
     if query.dtype in (torch.float16, torch.bfloat16) and flash_varlen_function() is not None:
         return "flash"
     return "sdpa"
+
+
+def dense_decode_kernel(query: torch.Tensor) -> str:
+    """How one new token per row reads a uniform, padding-free cache's dense view: ``grouped``
+    (:func:`pipeline.kv.attention.grouped_decode_attention`) on CPU, ``sdpa`` on CUDA (or when
+    ``$CRITICALKV_VARLEN_KERNEL`` forces sdpa); ``$CRITICALKV_DENSE_DECODE=grouped|sdpa`` forces one."""
+    forced = os.environ.get(DENSE_ENV, "").strip().lower()
+    if forced:
+        if forced not in DENSE_KERNELS:
+            raise ValueError(f"{DENSE_ENV}={forced!r}: expected one of {', '.join(DENSE_KERNELS)}")
+        return forced
+    if query.is_cuda or os.environ.get(KERNEL_ENV, "").strip().lower() == "sdpa":
+        return "sdpa"
+    return "grouped"
 
 
 def blocked_attention(query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float) -> torch.Tensor | None:

@@ -150,3 +150,18 @@ def test_method_costs_measure_on_tiny_model():
     res = method_costs.measure(engine_for, loaded.tokenizer, ["none", "layer-kvzip", "snapkv"], 120, repeats=1)
     assert res["none"]["kept"] > 1.0 > 0.4 > res["layer-kvzip"]["kept"] > 0.25
     assert all(len(r["seconds"]) == 1 and r["seconds"][0] > 0 for r in res.values())
+
+
+def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
+    import decode_paths
+
+    monkeypatch.setenv(decode_paths.DENSE_ENV, "")
+    ids = torch.randint(3, 200, (1, 48), generator=torch.Generator().manual_seed(0))
+    res = decode_paths.measure(tiny.model, ids, cache_size=0.5, steps=4, repeats=2)
+    assert set(res) == {(m, p) for m in decode_paths.CACHES for p in decode_paths.PATHS}
+    for method in decode_paths.CACHES:
+        previous, current = res[(method, "previous")], res[(method, "current")]
+        assert len(previous["ms"]) == 2 and previous["tokens"] == current["tokens"]
+    assert res[("none", "previous")]["kernels"] == ["dense-sdpa"]
+    assert res[("none", "current")]["kernels"] == ["dense-grouped"]
+    assert tiny.model.model.layers[0].mlp.up_proj.weight.stride()[0] == 1  # left on the current path

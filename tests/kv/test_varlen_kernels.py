@@ -19,9 +19,11 @@ from pipeline.kv.attention import varlen_attention
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.store import BLOCK, VarLenLayer
 from pipeline.kv.varlen_kernels import (
+    DENSE_ENV,
     KERNEL_ENV,
     blocked_attention,
     choose_kernel,
+    dense_decode_kernel,
     flash_varlen_attention,
     packed_segments,
     sdpa_varlen_attention,
@@ -174,6 +176,20 @@ def test_kernel_choice(monkeypatch):
         choose_kernel(q, need_probs=False)
 
 
+def test_dense_decode_kernel_choice(monkeypatch):
+    q = torch.zeros(1, 2, 1, 4)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.delenv(DENSE_ENV, raising=False)
+    assert dense_decode_kernel(q) == "grouped"  # CPU default
+    monkeypatch.setenv(KERNEL_ENV, "sdpa")
+    assert dense_decode_kernel(q) == "sdpa"  # forcing SDPA forces it on the dense view too
+    monkeypatch.setenv(DENSE_ENV, "grouped")
+    assert dense_decode_kernel(q) == "grouped"
+    monkeypatch.setenv(DENSE_ENV, "flash")
+    with pytest.raises(ValueError, match="CRITICALKV_DENSE_DECODE='flash'"):
+        dense_decode_kernel(q)
+
+
 def test_flash_without_flash_attn_says_what_is_missing(monkeypatch):
     layer, query, *_ = _layer_and_chunk()
     monkeypatch.setattr(varlen_kernels, "flash_varlen_function", lambda: None)
@@ -224,3 +240,23 @@ def test_sdpa_on_cuda_in_bf16_equals_the_reference():
     got = sdpa_varlen_attention(query, keys, values, key_pos, query_pos, 0.125)
     mask = real[:, None, :, None].expand_as(expected)
     torch.testing.assert_close(got.float()[mask], expected[mask], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_grouped_decode_equals_a_per_head_softmax_over_a_strided_store_view(groups):
+    """The dense one-token path (uniform caches on CPU) against an explicit per-query-head
+    softmax, on keys/values that are a view with spare capacity (as the store hands them out)."""
+    from pipeline.kv.attention import grouped_decode_attention
+
+    gen = torch.Generator().manual_seed(3)
+    bsz, h_kv, length, capacity, dim = 2, 2, 11, 16, 8
+    store_k = torch.randn(bsz, h_kv, capacity, dim, generator=gen)
+    store_v = torch.randn(bsz, h_kv, capacity, dim, generator=gen)
+    keys, values = store_k[:, :, :length], store_v[:, :, :length]
+    query = torch.randn(bsz, h_kv * groups, 1, dim, generator=gen)
+    out = grouped_decode_attention(query, keys, values, 0.3)
+    for b in range(bsz):
+        for h in range(h_kv * groups):
+            k, v = keys[b, h // groups], values[b, h // groups]
+            weights = torch.softmax((k @ query[b, h, 0]) * 0.3, dim=0)
+            torch.testing.assert_close(out[b, h, 0], weights @ v, rtol=1e-5, atol=1e-6)
