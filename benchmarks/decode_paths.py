@@ -13,8 +13,9 @@ Paths (switches, both in the library):
 For each context length and cache (``none`` = full, ``snapkv`` = uniform, ``criticalkv-adakv-snapkv``
 = ragged, both at ``--cache-size``) every path prefills the same ids and decodes ``--steps`` greedy
 tokens; runs alternate path order per repeat. Printed: median ms per decode step, the ratio
-previous / current, whether the greedy tokens are identical, the ragged / uniform ratio, and the
-achieved fraction of the step's bandwidth bound (weights + KV entries read, ``roofline.py``).
+previous / current, whether the greedy tokens are identical, the ragged / uniform ratio, the
+achieved fraction of the step's bandwidth bound (weights + KV entries read, ``roofline.py``) and
+the prefill time ratio (the weight order changes the prefill's matmuls too).
 Only ratios from the same run are claims.
 """
 
@@ -63,7 +64,9 @@ def greedy_run(model, method: str, cache_size: float, ids: torch.Tensor, steps: 
         Compressor(CompressionConfig(method=method, cache_size=size), rotary=model_rotary(model)),
     )
     n = ids.shape[1]
+    t0 = time.perf_counter()
     logits = run_chunk(model, cache, ids, torch.arange(n)[None], logits_to_keep=1).logits[:, -1]
+    prefill_s = time.perf_counter() - t0
     cache.reserve(steps + 1)
     tokens, seconds = [], []
     for i in range(steps):
@@ -77,6 +80,7 @@ def greedy_run(model, method: str, cache_size: float, ids: torch.Tensor, steps: 
     entries = int(cache.entries_per_row().sum())
     return {
         "ms": 1e3 * statistics.median(seconds[2:]),
+        "prefill_s": prefill_s,
         "tokens": tokens,
         "entries": entries,
         "kernels": sorted(cache.kernels_used),
@@ -84,15 +88,16 @@ def greedy_run(model, method: str, cache_size: float, ids: torch.Tensor, steps: 
 
 
 def measure(model, ids, cache_size: float, steps: int, repeats: int) -> dict:
-    """{(method, path): {"ms": [...], "tokens", "entries", "kernels"}} for one context."""
+    """{(method, path): {"ms": [...], "prefill_s": [...], "tokens", "entries", "kernels"}} for one context."""
     out: dict = {}
     for r in range(repeats):
         for name in PATHS if r % 2 == 0 else reversed(PATHS):
             use_path(model, name)
             for method in CACHES:
                 res = greedy_run(model, method, cache_size, ids, steps)
-                slot = out.setdefault((method, name), {**res, "ms": []})
+                slot = out.setdefault((method, name), {**res, "ms": [], "prefill_s": []})
                 slot["ms"].append(res["ms"])
+                slot["prefill_s"].append(res["prefill_s"])
                 slot["same_each_run"] = slot.get("same_each_run", True) and res["tokens"] == slot["tokens"]
     use_path(model, "current")
     return out
@@ -135,6 +140,7 @@ def main() -> None:
                     else "NO",
                     f"{cur_ms / uniform:.2f}" if method != "none" else "-",
                     f"{bound / prev_ms:.0%} → {bound / cur_ms:.0%}",
+                    f"{statistics.median(prev['prefill_s']) / statistics.median(cur['prefill_s']):.2f}",
                     ",".join(prev["kernels"]) + " → " + ",".join(cur["kernels"]),
                 ]
             )
@@ -151,10 +157,11 @@ def main() -> None:
                 "same tokens",
                 "÷ uniform",
                 "bound achieved",
+                "prefill previous ÷ current",
                 "kernel",
             ],
             rows,
-            "llrrrlrll",
+            "llrrrlrlrl",
         )
     )
     text = "\n".join(lines) + "\n"
