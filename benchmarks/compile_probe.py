@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
-from roofline import RESULTS_DIR, header, table  # noqa: E402
+from roofline import RESULTS_DIR, header, table, write_report  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
 from pipeline.engine.config import ModelConfig  # noqa: E402
@@ -88,12 +88,7 @@ def main() -> None:
             rows,
         )
     )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:  # run_all.py passes "" and keeps stdout itself
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        print(f"(written to {args.out})")
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,16 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 from common import context_ids, load_smollm2  # noqa: E402
-from roofline import RESULTS_DIR, decode_bound_s, header, measure_limits, model_shape, parse_ints, table  # noqa: E402
+from roofline import (  # noqa: E402
+    RESULTS_DIR,
+    decode_bound_s,
+    header,
+    measure_limits,
+    model_shape,
+    parse_ints,
+    table,
+    write_report,
+)
 
 from pipeline.engine.loading import apply_weight_layout  # noqa: E402
 from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
@@ -164,12 +173,7 @@ def main() -> None:
             "llrrrlrlrl",
         )
     )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:  # run_all.py passes "" and keeps stdout itself
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        print(f"(written to {args.out})")
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

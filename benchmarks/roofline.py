@@ -123,6 +123,16 @@ def table(columns: list[str], rows: list[list], align: str | None = None) -> str
     return "\n".join(lines)
 
 
+def write_report(text: str, out: str | None) -> None:
+    """Print a finished Markdown report and write it to ``out`` (run_all.py passes "" and keeps
+    stdout itself)."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+        print(f"(written to {out})")
+
+
 def median(values) -> float:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else float("nan")
