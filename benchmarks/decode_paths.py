@@ -132,11 +132,11 @@ def main() -> None:
     for n in parse_ints(args.lengths):
         ids = context_ids(loaded.tokenizer, n)
         res = measure(model, ids, args.cache_size, args.steps, args.repeats)
+        uniform = statistics.median(res[("snapkv", "current")]["ms"])
         for method in CACHES:
             prev, cur = res[(method, "previous")], res[(method, "current")]
             prev_ms, cur_ms = statistics.median(prev["ms"]), statistics.median(cur["ms"])
             bound = decode_bound_s(shape, cur["entries"], limits)[0] * 1e3
-            uniform = statistics.median(res[("snapkv", "current")]["ms"])
             rows.append(
                 [
                     str(n),

@@ -210,7 +210,7 @@ class VarLenCache(ChunkCache):
             # it, so no mask is needed and the store is read in place (grouped matmuls on CPU unless
             # SDPA is forced, SDPA's fused kernel on CUDA)
             keys, values = dense
-            if dense_decode_kernel(query) == "sdpa":
+            if dense_decode_kernel(query, kernel) == "sdpa":
                 out = F.scaled_dot_product_attention(
                     query, keys.to(query.dtype), values.to(query.dtype), scale=scaling, enable_gqa=True
                 )

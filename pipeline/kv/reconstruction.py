@@ -57,6 +57,11 @@ class ReconstructionCache(ChunkCache):
         self.context = layers
         self.chunk = gather_positions(layers[0].key_pos, chunk_start, chunk_end)
         self.sink = gather_positions(layers[0].key_pos, torch.zeros_like(sinks), sinks)
+        # the same for every layer (one key layout): which entries leave the softmax, and the chunk
+        # as one slice of columns when it can be
+        excluded = self._excluded(layers[0].key_pos)
+        self.excluded = excluded[:, None, None, :, None] if bool(excluded.any()) else None  # (B, 1, 1, n, 1)
+        self.columns = self._common_columns(*self.chunk)
         self.scores = scores
         self.kvzip_plus = kvzip_plus
         self.hidden_norms: dict[int, torch.Tensor] = {}  # layer -> (B, T), set by the engine's hooks (KVzip+)
@@ -79,9 +84,6 @@ class ReconstructionCache(ChunkCache):
         q = (query.float() * scaling).view(bsz, h_kv, h_q // h_kv, t, dim)  # group-major, scaled once
         c_idx, c_ok = self.chunk
         self._own_padding = bool((self.chunk_pos < 0).any())
-        excluded = self._excluded(ctx.key_pos)
-        excluded = excluded[:, None, None, :, None] if bool(excluded.any()) else None  # (B, 1, 1, n, 1)
-        columns = self._common_columns(c_idx, c_ok)
         ctx_hidden = (ctx.key_pos < 0)[:, None, None, None, :] if bool((ctx.key_pos < 0).any()) else None
         weight = self._value_weight(idx, module, ctx, c_idx) if self.kvzip_plus else None
         out = torch.empty_like(query)
@@ -91,12 +93,12 @@ class ReconstructionCache(ChunkCache):
             probs = self._probs(q[:, :, :, begin:end], keys[:, :, : n + end], ctx_hidden, begin, n)
             rows = probs.reshape(bsz, h_kv, -1, n + end)  # (B, H_kv, G*Tb, n + end): one batched matmul per KV head
             out[:, :, begin:end] = torch.matmul(rows, values[:, :, : n + end]).view(bsz, h_q, end - begin, dim)
-            chunk = self._chunk_weights(probs[..., :n], excluded, c_idx, columns)  # (B, H_kv, G, Tb, M)
+            chunk = self._chunk_weights(probs[..., :n], self.excluded, c_idx, self.columns)  # (B, H_kv, G, Tb, M)
             if weight is not None:
                 norms = self._hidden_norm(idx, slice(begin, end))[:, None, None, :, None]
                 chunk = chunk * weight.view(bsz, h_kv, h_q // h_kv, 1, -1) / norms
-            q_ok = (self.chunk_pos[:, begin:end] >= 0)[:, None, None, :, None]
-            if self._own_padding:
+            if self._own_padding:  # padding queries of left-padded rows score nothing
+                q_ok = (self.chunk_pos[:, begin:end] >= 0)[:, None, None, :, None]
                 chunk = chunk.masked_fill(~q_ok, float("-inf"))
             best = torch.maximum(best, chunk.amax(dim=(2, 3)))
         flat = best.masked_fill(~c_ok[:, None, :], float("-inf"))  # padding slots change nothing below

@@ -81,18 +81,17 @@ def choose_kernel(query: torch.Tensor, need_probs: bool) -> str:
     return "sdpa"
 
 
-def dense_decode_kernel(query: torch.Tensor) -> str:
-    """How one new token per row reads a uniform, padding-free cache's dense view: ``grouped``
-    (:func:`pipeline.kv.attention.grouped_decode_attention`) on CPU, ``sdpa`` on CUDA (or when
-    ``$CRITICALKV_VARLEN_KERNEL`` forces sdpa); ``$CRITICALKV_DENSE_DECODE=grouped|sdpa`` forces one."""
+def dense_decode_kernel(query: torch.Tensor, kernel: str) -> str:
+    """How one new token per row reads a uniform, padding-free cache's dense view, given the
+    ``kernel`` :func:`choose_kernel` picked for the call: ``grouped``
+    (:func:`pipeline.kv.attention.grouped_decode_attention`) on CPU, ``sdpa`` on CUDA or when that
+    kernel is sdpa; ``$CRITICALKV_DENSE_DECODE=grouped|sdpa`` forces one."""
     forced = os.environ.get(DENSE_ENV, "").strip().lower()
     if forced:
         if forced not in DENSE_KERNELS:
             raise ValueError(f"{DENSE_ENV}={forced!r}: expected one of {', '.join(DENSE_KERNELS)}")
         return forced
-    if query.is_cuda or os.environ.get(KERNEL_ENV, "").strip().lower() == "sdpa":
-        return "sdpa"
-    return "grouped"
+    return "sdpa" if query.is_cuda or kernel == "sdpa" else "grouped"
 
 
 def blocked_attention(query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float) -> torch.Tensor | None:

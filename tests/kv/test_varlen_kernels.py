@@ -180,14 +180,14 @@ def test_dense_decode_kernel_choice(monkeypatch):
     q = torch.zeros(1, 2, 1, 4)
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     monkeypatch.delenv(DENSE_ENV, raising=False)
-    assert dense_decode_kernel(q) == "grouped"  # CPU default
+    assert dense_decode_kernel(q, choose_kernel(q, need_probs=False)) == "grouped"  # CPU default
     monkeypatch.setenv(KERNEL_ENV, "sdpa")
-    assert dense_decode_kernel(q) == "sdpa"  # forcing SDPA forces it on the dense view too
+    assert dense_decode_kernel(q, choose_kernel(q, need_probs=False)) == "sdpa"  # forced SDPA: the dense view too
     monkeypatch.setenv(DENSE_ENV, "grouped")
-    assert dense_decode_kernel(q) == "grouped"
+    assert dense_decode_kernel(q, "sdpa") == "grouped"
     monkeypatch.setenv(DENSE_ENV, "flash")
     with pytest.raises(ValueError, match="CRITICALKV_DENSE_DECODE='flash'"):
-        dense_decode_kernel(q)
+        dense_decode_kernel(q, "blocked")
 
 
 def test_flash_without_flash_attn_says_what_is_missing(monkeypatch):
