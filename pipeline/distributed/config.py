@@ -148,6 +148,12 @@ class JobConfig(BaseModel):
     oom_retry_cache_size: float | None = Field(
         None, gt=0.0, le=1.0, description="retry a document that ran out of memory once, at this smaller cache size"
     )
+    stall_timeout_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="fail the run when no actor batch finishes for this many seconds (default: no limit; "
+        "Ray Data's own 30-minute limit is lifted, since one long document or a large sweep may take longer)",
+    )
 
     cli_exclude: ClassVar[tuple[str, ...]] = ()
 
@@ -162,6 +168,7 @@ class JobConfig(BaseModel):
             "gpus_per_actor",
             "cpus_per_actor",
             "oom_retry_cache_size",
+            "stall_timeout_s",
             "engine_factory",
         ]
         configs = ["columns", "model", "compression", "generation"]

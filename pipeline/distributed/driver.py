@@ -26,9 +26,12 @@ Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipelin
    ``error``); done documents are not scheduled again.
 4. **Ray**: ``map_batches(Predictor, compute=ActorPoolStrategy(min_actors, max_actors),
    num_gpus=gpus_per_actor, num_cpus=cpus_per_actor, batch_size=generation.batch_size,
-   batch_format="pyarrow")`` then ``write_datasink(AtomicParquetDatasink)``: Ray Data's
-   ``write_parquet`` with an atomic commit per file (see :mod:`pipeline.distributed.sink`), so files
-   appear one by one as batches finish and a driver killed at any moment leaves only whole files.
+   batch_format="pyarrow")``; the driver iterates the result blocks (``iter_batches(batch_size=None)``)
+   and commits each actor batch's rows as one Parquet file as it arrives
+   (:class:`pipeline.distributed.sink.BatchCommitter`: an atomic commit per file), so files appear
+   one by one as batches finish and a driver killed at any moment leaves only whole files; with
+   ``echo`` a line per committed file says how many documents are done. Committing on the driver
+   puts the files where the next run looks and needs no write-task workers (see the committer).
    Ray starts locally when none is running (``ray.init(address="local")``), or connects to
    ``ray_address`` / ``$RAY_ADDRESS`` (a head started with ``ray start --head``, a cluster, or the
    cluster a ``ray job submit`` runs on).
@@ -45,7 +48,9 @@ user can inspect, and works the same for in-memory (driver-normalised) inputs.
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,28 +121,46 @@ def run_job(config: JobConfig, *, echo: bool = True, score: ScoreFunction | None
         stop_dead_sessions(default_cache_dir() / SESSIONS_DIR)
     out.lock()
     try:
-        return _Run(config, out, mode, t0, score).execute(docs, echo)
+        return _Run(config, out, mode, t0, score, echo).execute(docs)
     finally:
         out.unlock()
+
+
+def _progress_printer(docs_scheduled: int | None) -> Callable[[pa.Table], None]:
+    """A line on stderr per committed file: documents done (of those scheduled), rows, elapsed time."""
+    start, seen, rows = time.perf_counter(), set(), [0]
+
+    def report(table: pa.Table) -> None:
+        seen.update(table.column("doc_id").to_pylist())
+        rows[0] += table.num_rows
+        of = f"/{docs_scheduled}" if docs_scheduled is not None else ""
+        elapsed = time.perf_counter() - start
+        print(
+            f"committed {len(seen)}{of} documents, {rows[0]} rows, after {elapsed:.0f} s", file=sys.stderr, flush=True
+        )
+
+    return report
 
 
 class _Run:
     """One run into a locked output directory: schedule what is not committed, run Ray, check, record."""
 
-    def __init__(self, config: JobConfig, out: OutputDir, mode: str, t0: float, score: ScoreFunction | None) -> None:
-        self.config, self.out, self.mode, self.t0, self.score = config, out, mode, t0, score
+    def __init__(
+        self, config: JobConfig, out: OutputDir, mode: str, t0: float, score: ScoreFunction | None, echo: bool
+    ) -> None:
+        self.config, self.out, self.mode, self.t0, self.score, self.echo = config, out, mode, t0, score, echo
         self.run_id = new_run_id()
         self.settings = [setting_of(c) for c in config.sweep]
         self.ray_info: dict = {}
         self.manifest_error: str | None = None
 
-    def execute(self, docs: pa.Table | None, echo: bool) -> RunResult:
+    def execute(self, docs: pa.Table | None) -> RunResult:
         manifest = self._open_manifest()
         committed = sink.committed_state(self.out.data_location)
         expected, docs, counts = self._schedule(docs, committed)
         run = self._start_record(manifest, committed, counts)
         error = self._run_ray(docs, committed, manifest, run)
-        return self._finish(manifest, run, committed, expected, counts, error, echo)
+        return self._finish(manifest, run, committed, expected, counts, error)
 
     def _open_manifest(self) -> dict:
         manifest = self.out.check(self.config)  # again, now that no other run can change the directory
@@ -214,17 +237,16 @@ class _Run:
                 record.write()
             cpus = check_resources(self.config, started_here)
             # a failed actor batch raises its own exception (not "UDF failed"), so the sentence names it
-            DataContext.get_current().raise_original_map_exception = True
+            context = DataContext.get_current()
+            context.raise_original_map_exception = True
+            # Ray Data fails an execution after 30 min without a finished block: too short for one
+            # long document with a large sweep on a CPU; -1 disables its guard
+            context.execution_no_progress_timeout_s = self.config.stall_timeout_s or -1
             run["gpu"]["cluster"] = cluster_gpus()
             self.ray_info = ray_facts(self.config, address, cpus)
             done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
             ds = build_dataset(self.config, docs, done, self.run_id, cpus, self.score)
-            ds.write_datasink(
-                sink.AtomicParquetDatasink(
-                    self.out.data_location, self.config.fingerprint(), self.config.rows_per_file
-                ),
-                ray_remote_args={"num_cpus": 0},
-            )
+            self._commit_results(ds, run["rows"]["docs_scheduled"])
         except JobConfigError as exc:
             self._end_early(manifest, run, exc, "failed")
             raise
@@ -239,6 +261,26 @@ class _Run:
                 ray.shutdown()
                 record.stop_leftovers()
         return None
+
+    def _commit_results(self, ds, docs_scheduled: int | None) -> None:
+        """Drive the pipeline and commit each actor batch's rows on the driver as it arrives; rows
+        already received are committed even when the run fails part-way (they are whole documents)."""
+        committer = sink.BatchCommitter(
+            self.out.data_location,
+            self.config.fingerprint(),
+            self.config.rows_per_file,
+            on_commit=_progress_printer(docs_scheduled) if self.echo else None,
+        )
+        try:
+            for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                committer.add(table)
+        except BaseException:
+            try:
+                committer.flush()
+            except Exception:  # noqa: BLE001 - the pipeline's own error is the one to report
+                pass
+            raise
+        committer.flush()
 
     def _record_end(self, manifest, run, error, wall, this_run, summary, final, removed, missing) -> None:
         """The run's entry in the manifest once its rows are committed and checked."""
@@ -288,7 +330,7 @@ class _Run:
             + f"; {where}; rerun the same command to resume"
         )
 
-    def _finish(self, manifest, run, committed, expected, counts, error, echo) -> RunResult:
+    def _finish(self, manifest, run, committed, expected, counts, error) -> RunResult:
         data = self.out.data_location
         try:
             removed = sink.dedupe(data, self.config.fingerprint()) if error is None else 0
@@ -304,7 +346,7 @@ class _Run:
         self._write(manifest)
         if error is not None:
             raise JobFailed(self._failure(error, this_run.num_rows)) from error
-        if echo:
+        if self.echo:
             print(format_summary(summary, f"{self.config.job} run {self.run_id}"), flush=True)
             if missing:
                 print(f"WARNING: {missing} expected rows are missing from {data}", flush=True)

@@ -1,4 +1,4 @@
-"""Committed output files: an atomic Parquet datasink for Ray Data and the resume bookkeeping.
+"""Committed output files: the driver's atomic Parquet commits and the resume bookkeeping.
 
 Layout of ``OUT/data/``:
 
@@ -17,9 +17,10 @@ Layout of ``OUT/data/``:
   starting with ``.`` or ``_`` (pyarrow datasets, ``pipeline.data.read_table``, Ray's
   ``read_parquet``); the next run deletes them while it holds the output lock.
 
-A Predictor returns all rows of a document in one table, and a write task writes whole blocks, so
-every committed file holds complete documents. :func:`dedupe` is the safety net for anything else
-(a write that lands after its driver died and a rerun already redid the document, a retried write):
+A Predictor returns all rows of a document in one table, and the driver commits whole tables
+(:class:`BatchCommitter`), so every committed file holds complete documents. :func:`dedupe` is
+the safety net for anything else (a commit that lands after a rerun already redid the document, a
+batch that Ray retried after its first result had been committed):
 it keeps one row per (doc_id, question_id) -- the earliest committed one, preferring rows without
 ``error`` -- and rewrites the other files without the duplicates, again atomically.
 """
@@ -29,15 +30,13 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
-from ray.data import Datasink
-from ray.data.block import BlockAccessor
 
 from pipeline.data.locations import TMP_PREFIX, Location, fsync_directory, resolve
 from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
@@ -70,46 +69,55 @@ def commit_table(table: pa.Table, data_dir: str | os.PathLike | Location, settin
     return final
 
 
-class AtomicParquetDatasink(Datasink):
-    """Ray Data sink writing committed files (see the module docstring).
+class BatchCommitter:
+    """Commits the actors' output tables as they reach the driver (see the module docstring).
 
-    ``supports_distributed_writes`` is False: write tasks run on the driver's node, so ``OUT`` may
-    be a local directory of the machine the driver runs on (with ``ray job submit``, the head) and
-    the files are where the next run looks for them. Results are small (text and numbers), so
-    moving them to one node costs little next to generation. ``data_dir`` travels as text (a path
-    or URI) and is resolved where the write runs, with that process's credentials.
+    ``add(table)`` takes one actor batch's rows (whole documents); with ``rows_per_file`` tables
+    are held until they reach that many rows, otherwise each is committed at once. ``flush()``
+    commits what is held. ``on_commit(table)`` is called after each commit (progress).
+
+    Why the driver and not Ray Data write tasks: the files land on the driver's machine, where the
+    next run looks for them (a local ``OUT`` on a multi-node cluster, or the head with
+    ``ray job submit``), and no extra worker process is needed. Ray kills an idle worker after about
+    a second, so with one write task per batch every batch started a fresh Python worker (importing
+    Ray Data and pyarrow, about 2 s of a core) next to the actor's compute threads; on a 2-core
+    machine that made each document up to 1.7x slower (``benchmarks/pipeline_overhead.py``).
+    Results are small (text and numbers), so pulling them to the driver costs little next to
+    generation.
     """
 
     def __init__(
-        self, data_dir: str | os.PathLike | Location, settings_id: str, rows_per_file: int | None = None
+        self,
+        data_dir: str | os.PathLike | Location,
+        settings_id: str,
+        rows_per_file: int | None = None,
+        on_commit: Callable[[pa.Table], None] | None = None,
     ) -> None:
-        self.data_dir = data_dir.uri if isinstance(data_dir, Location) else str(data_dir)
+        self.data_dir = resolve(data_dir)
+        self.data_dir.makedirs()
         self.settings_id = settings_id
         self.rows_per_file = rows_per_file
+        self.on_commit = on_commit
+        self.held: list[pa.Table] = []
+        self.files = 0
+        self.rows = 0
 
-    def on_write_start(self, schema=None) -> None:
-        resolve(self.data_dir).makedirs()
+    def add(self, table: pa.Table) -> None:
+        if table.num_rows:
+            self.held.append(conform(table))
+        if sum(t.num_rows for t in self.held) >= (self.rows_per_file or 1):
+            self.flush()
 
-    def write(self, blocks: Iterable, ctx) -> list[dict]:
-        tables = [BlockAccessor.for_block(block).to_arrow() for block in blocks]
-        tables = [t for t in tables if t.num_rows]
-        if not tables:
-            return []
-        table = pa.concat_tables([conform(t) for t in tables])
-        path = commit_table(table, self.data_dir, self.settings_id)
-        return [{"file": path.name, "rows": table.num_rows}]
-
-    @property
-    def supports_distributed_writes(self) -> bool:
-        return False
-
-    @property
-    def min_rows_per_write(self) -> int | None:
-        """None: every actor batch is written as it arrives (one file per batch)."""
-        return self.rows_per_file
-
-    def get_name(self) -> str:
-        return "WriteParquet"
+    def flush(self) -> None:
+        if not self.held:
+            return
+        table = pa.concat_tables(self.held)
+        commit_table(table, self.data_dir, self.settings_id)
+        self.held = []
+        self.files += 1
+        self.rows += table.num_rows
+        if self.on_commit is not None:
+            self.on_commit(table)
 
 
 # ---------------------------------------------------------------------- bookkeeping (driver)

@@ -232,3 +232,23 @@ def test_actor_killed_while_holding_a_batch(local_ray, faults, tmp_path):
     table = _read(result.data_dir)
     _assert_exactly_once(table, docs)
     assert table.column("error").null_count == table.num_rows
+
+
+def test_progress_lines_count_committed_documents(local_ray, tmp_path, capsys):
+    docs = small_docs(3, seed=5)
+    path = write_documents(docs, tmp_path / "in.jsonl")
+    run_job(tiny_config(tmp_path / "out", input=str(path), rows_per_file=None), echo=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("committed ")]
+    assert len(lines) == 3 and lines[-1].startswith("committed 3/3 documents, ")
+    assert lines[-1].split(", ")[1] == f"{sum(len(d['question_ids']) for d in docs)} rows"
+
+
+def test_stalled_batch_fails_the_run_after_stall_timeout(local_ray, faults, tmp_path):
+    docs = small_docs(2, seed=9)
+    path = write_documents(docs, tmp_path / "in.jsonl")
+    faults(raise_after_batches=0, raise_delay_s=60.0)  # the first batch hangs for a minute
+    config = tiny_config(tmp_path / "out", input=str(path), stall_timeout_s=3)
+    with pytest.raises(JobFailed, match="made no progress"):
+        run_job(config, echo=False)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["runs"][-1]["status"] == "failed" and manifest["runs"][-1]["wall_s"] < 45

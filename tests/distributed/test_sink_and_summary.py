@@ -103,3 +103,24 @@ def test_summary_of_failed_and_empty_runs():
     assert "-" in format_summary(s)
     empty = summarize(_rows(), wall_s=0.0)
     assert empty.rows == 0 and empty.tokens_per_s is None
+
+
+def test_batch_committer_commits_each_table_or_bundles_rows(tmp_path):
+    committed = []
+    each = sink.BatchCommitter(tmp_path / "each", "r1", on_commit=committed.append)
+    each.add(_rows(("a", "0"), ("a", "1")))
+    each.add(_rows())  # an empty block commits nothing
+    each.add(_rows(("b", "0")))
+    assert (each.files, each.rows) == (2, 3) and [t.num_rows for t in committed] == [2, 1]
+    each.flush()  # nothing held: no empty file
+    assert len(sink.committed_files(tmp_path / "each")) == 2
+
+    bundled = sink.BatchCommitter(tmp_path / "bundled", "r1", rows_per_file=3)
+    bundled.add(_rows(("a", "0"), ("a", "1")))
+    assert sink.committed_files(tmp_path / "bundled") == []  # held until 3 rows
+    bundled.add(_rows(("b", "0")))
+    bundled.add(_rows(("c", "0")))
+    assert [pq.read_metadata(f).num_rows for f in sink.committed_files(tmp_path / "bundled")] == [3]
+    bundled.flush()  # the remainder, whole documents
+    assert sorted(pq.read_metadata(f).num_rows for f in sink.committed_files(tmp_path / "bundled")) == [1, 3]
+    assert sink.committed_state(tmp_path / "bundled").done("c", ["0"])
