@@ -3,9 +3,9 @@
 Nothing here knows about attention or caches: the actor holds a :class:`pipeline.engine.Engine`
 and turns its answers into output-schema rows; the driver moves documents and rows around.
 
-The names below are imported on first use: Ray's write tasks unpickle the sink
-(:mod:`pipeline.distributed.sink`) and must not pay for importing torch and transformers through the
-driver and the actor (about 3 s per fresh worker on 2 cores).
+The names below are imported on first use: the Ray tasks of ``normalise="ray"`` unpickle functions
+of :mod:`pipeline.distributed.inputs` and must not pay for importing torch and transformers through
+the driver and the actor (about 3 s per fresh worker on 2 cores).
 """
 
 from importlib import import_module
