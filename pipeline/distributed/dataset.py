@@ -16,7 +16,7 @@ from pipeline.distributed.inputs import (
     input_location,
     instruction_mapping,
 )
-from pipeline.distributed.predictor import Predictor, ScoreFunction, setting_of
+from pipeline.distributed.predictor import Predictor, ScoreFunction, package_fingerprint, setting_of
 
 
 def blocks_of(table: pa.Table, batch_size: int) -> list[pa.Table]:
@@ -82,6 +82,7 @@ def build_dataset(
             "sweep": [c.model_dump(mode="json") for c in config.sweep],
             "oom_retry_cache_size": config.oom_retry_cache_size,
             "score": score,
+            "code_fingerprint": package_fingerprint(),
         },
         compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
         num_cpus=cpus,

@@ -4,6 +4,7 @@ its workers), and what to do about storage errors."""
 from __future__ import annotations
 
 import errno
+import re
 
 STORAGE_HINTS = {
     errno.ENOSPC: "the output storage is full: free space (or choose another --output)",
@@ -15,8 +16,9 @@ STORAGE_HINTS = {
 
 
 def root_cause(exc: BaseException) -> BaseException:
-    """The innermost exception: through Ray's task errors (``.cause``) and Python's ``__cause__``."""
-    seen = set()
+    """The innermost exception that says something: through Ray's task errors (``.cause``) and
+    Python's ``__cause__``, skipping wrappers without a message (Ray Data's ``SystemException``)."""
+    seen, said = set(), exc
     while id(exc) not in seen:
         seen.add(id(exc))
         inner = getattr(exc, "cause", None)
@@ -25,14 +27,28 @@ def root_cause(exc: BaseException) -> BaseException:
         if not isinstance(inner, BaseException):
             break
         exc = inner
-    return exc
+        if str(exc).strip():
+            said = exc
+    return said
+
+
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
 
 
 def describe(exc: BaseException) -> str:
-    """``Type: first line of the message`` of the root cause (no traceback)."""
+    """``Type: first line of the message`` of the root cause (no traceback). An actor that failed
+    to start (Ray's ``ActorDiedError`` carries the traceback of its constructor as text) is
+    described by the exception its constructor raised."""
     root = root_cause(exc)
     lines = [line.strip() for line in str(root).strip().splitlines() if line.strip()]
-    return f"{type(root).__name__}: {lines[0][:500]}" if lines else type(root).__name__
+    if not lines:
+        return type(root).__name__
+    if "error raised in its creation task" in lines[0]:
+        for line in reversed(lines):
+            raised = _RAISED.match(line)
+            if raised:
+                return f"{raised.group(1).rsplit('.', 1)[-1]} while starting an actor: {raised.group(2)[:500]}"
+    return f"{type(root).__name__}: {lines[0][:500]}"
 
 
 def storage_hint(exc: BaseException) -> str | None:

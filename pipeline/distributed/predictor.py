@@ -18,10 +18,14 @@ Contract of ``__call__`` (relied on by the driver's exactly-once guarantee):
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import logging
+import os
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -54,6 +58,38 @@ def resolve_factory(path: str | None) -> EngineFactory:
     return factory
 
 
+def source_fingerprint(root: Path) -> str:
+    """Hash of every ``.py`` file under ``root`` (relative path and bytes)."""
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def package_fingerprint() -> str:
+    """:func:`source_fingerprint` of the imported ``pipeline`` package.
+
+    The driver passes its own to every actor, which compares it with the package it imported: Ray
+    puts the driver's working directory and script directory first on its workers' import path, so
+    a directory holding another copy of ``pipeline/`` (an older checkout, a worktree, a user's own
+    package of that name) would silently run other code in the actors.
+    """
+    return source_fingerprint(Path(__file__).resolve().parents[1])
+
+
+def check_same_code(driver_fingerprint: str | None) -> None:
+    """Raise when this process imported other ``pipeline`` code than the driver did (see above)."""
+    if driver_fingerprint is None or driver_fingerprint == package_fingerprint():
+        return
+    here = Path(__file__).resolve().parents[1]
+    raise RuntimeError(
+        f"this Ray worker imported the pipeline package from {here}, whose code differs from the driver's: "
+        f"Ray puts the driver's working directory ({os.getcwd()}) first on its workers' import path, so another "
+        "copy of pipeline/ there shadows the driver's; start the job from a directory without one"
+    )
+
+
 def setting_of(config: CompressionConfig) -> Setting:
     return Setting(config.method, config.cache_size, config.budget)
 
@@ -67,7 +103,8 @@ class Predictor:
 
     ``job_fields``: the columns that are the same on every row of the run (``run_id``, ``job``,
     ``model``) plus the job's setting (``method``, ``cache_size``, ``budget``); ``score``: fills the
-    ``score`` column of answers whose document has references (None: left empty).
+    ``score`` column of answers whose document has references (None: left empty);
+    ``code_fingerprint``: the driver's :func:`package_fingerprint` (None: not checked).
     """
 
     def __init__(
@@ -80,7 +117,9 @@ class Predictor:
         sweep: list[dict] | None = None,
         oom_retry_cache_size: float | None = None,
         score: ScoreFunction | None = None,
+        code_fingerprint: str | None = None,
     ) -> None:
+        check_same_code(code_fingerprint)  # before the model load: a mismatch fails within seconds
         self.model_config = ModelConfig.model_validate(model)
         self.compression = CompressionConfig.model_validate(compression)
         self.generation = GenerationConfig.model_validate(generation)

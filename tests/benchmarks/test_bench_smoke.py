@@ -165,3 +165,17 @@ def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
     assert res[("none", "previous")]["kernels"] == ["dense-sdpa"]
     assert res[("none", "current")]["kernels"] == ["dense-grouped"]
     assert tiny.model.model.layers[0].mlp.up_proj.weight.stride()[0] == 1  # left on the current path
+
+
+@pytest.mark.parametrize("side", ["ours", "transformers"])
+def test_prefill_memory_samples_a_peak_inside_the_model(side):
+    import prefill_memory
+
+    from pipeline.engine.config import GenerationConfig, ModelConfig
+    from pipeline.kv.config import CompressionConfig
+    from tests.distributed.helpers import tiny_engine
+
+    engine = tiny_engine(ModelConfig(name="tiny-llama"), CompressionConfig(method="none"), GenerationConfig())
+    result = prefill_memory.measure(engine, side, n_tokens=256, new_tokens=3)
+    assert result["side"] == side and result["tokens"] == 256 and result["peak"] >= 0
+    assert result["where"] == "start" or result["where"].startswith(("layer ", "lm_head"))

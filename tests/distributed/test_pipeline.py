@@ -252,3 +252,13 @@ def test_stalled_batch_fails_the_run_after_stall_timeout(local_ray, faults, tmp_
         run_job(config, echo=False)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["runs"][-1]["status"] == "failed" and manifest["runs"][-1]["wall_s"] < 45
+
+
+def test_actors_running_other_code_than_the_driver_fail_the_run(local_ray, tmp_path, monkeypatch):
+    import pipeline.distributed.dataset as dataset
+
+    monkeypatch.setattr(dataset, "package_fingerprint", lambda: "0" * 16)  # as if the driver ran other code
+    path = write_documents(small_docs(2, seed=4), tmp_path / "in.jsonl")
+    with pytest.raises(JobFailed, match="imported the pipeline package from"):
+        run_job(tiny_config(tmp_path / "out", input=str(path)), echo=False)
+    assert committed_files(tmp_path / "out" / "data") == []

@@ -206,3 +206,20 @@ def test_sweep_scores_summaries_against_the_full_cache_answer():
         assert row["answer_nll"] is not None and row["answer_nll_delta"] is not None
         if method == "none":
             assert row["score"] == 1.0 and row["answer_nll_delta"] == 0.0
+
+
+def test_source_fingerprint_follows_the_code(tmp_path):
+    from pipeline.distributed.predictor import check_same_code, package_fingerprint, source_fingerprint
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "notes.txt").write_text("not code")
+    first = source_fingerprint(tmp_path / "pkg")
+    (tmp_path / "pkg" / "notes.txt").write_text("still not code")
+    assert source_fingerprint(tmp_path / "pkg") == first
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    assert source_fingerprint(tmp_path / "pkg") != first
+    check_same_code(package_fingerprint())  # the same code: nothing happens
+    check_same_code(None)  # not asked
+    with pytest.raises(RuntimeError, match="imported the pipeline package from .* differs from the driver's"):
+        check_same_code("0" * 16)

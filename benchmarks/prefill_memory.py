@@ -1,0 +1,214 @@
+"""Peak resident memory of one document, ours vs transformers' DynamicCache, with where it peaks.
+
+    python benchmarks/prefill_memory.py [--lengths 2048,4096] [--methods none] [--repeats 3]
+
+For each length and side, a fresh Python process loads SmolLM2 (fp32, CPU), answers one short and
+one full-size document as warm-up, then answers the measured document while a thread samples the
+process' resident set (``/proc/self/statm``) every 0.2 ms. Forward pre-hooks on the decoder layers
+and the LM head mark the timeline, so the report says in which layer (or stage) the peak fell.
+
+* **ours**: ``Engine.generate`` with ``--methods`` (``none`` = the full cache): context prefill into
+  the variable-length cache, question, greedy answer of ``--new-tokens`` tokens;
+* **transformers**: the same model with SDPA attention and a ``DynamicCache``: ``model.model`` over
+  the context, then the question and the same number of greedy steps. This is what kvpress's
+  pipeline runs for a document without a press (its context prefill calls ``model.model`` with a
+  ``DynamicCache``), in this venv so that both sides use the same torch and allocator.
+
+Peak = highest sampled RSS minus the RSS just before the document; the table shows the median over
+``--repeats`` processes per side, sides alternating, and the range. Sampling (not ``VmHWM`` after a
+warm-up) is used because glibc keeps freed small blocks in its heap: a high-water mark taken after
+a warm-up mostly measures which side happened to reuse more of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from roofline import header, parse_ints, table  # noqa: E402
+
+QUESTION = "What is the special magic number mentioned in the text?"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096
+
+
+class Timeline:
+    """Sampled RSS plus named marks; ``peak()`` -> (bytes above the start, mark the peak fell in)."""
+
+    def __init__(self, model) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self.marks: list[tuple[float, str]] = [(0.0, "start")]
+        self.hooks = [
+            layer.register_forward_pre_hook(self._marker(f"layer {i}")) for i, layer in enumerate(model.model.layers)
+        ]
+        self.hooks.append(model.lm_head.register_forward_pre_hook(self._marker("lm_head")))
+        self.active = False
+
+    def _marker(self, name: str):
+        def hook(module, args):
+            if self.active:
+                self.marks.append((time.perf_counter(), name))
+
+        return hook
+
+    def run(self, fn) -> tuple[int, str]:
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                self.samples.append((time.perf_counter(), rss_bytes()))
+                time.sleep(0.0002)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        start = rss_bytes()
+        self.samples, self.marks = [(time.perf_counter(), start)], [(time.perf_counter(), "start")]
+        thread.start()
+        self.active = True
+        try:
+            fn()
+        finally:
+            self.active = False
+            stop.set()
+            thread.join()
+            for handle in self.hooks:
+                handle.remove()
+        when, peak = max(self.samples, key=lambda s: s[1])
+        where = [name for t, name in self.marks if t <= when][-1]
+        return max(0, peak - start), where
+
+
+def ours(engine, text: str, new_tokens: int):
+    from pipeline.engine.types import Request
+
+    return lambda: engine.generate([Request("bench", text, [QUESTION], max_new_tokens=new_tokens)])
+
+
+def transformers_side(model, tokenizer, text: str, new_tokens: int):
+    import torch
+    from transformers import DynamicCache
+
+    @torch.inference_mode()
+    def run() -> None:
+        ctx = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        cache = DynamicCache()
+        model.model(input_ids=ctx, past_key_values=cache)
+        ids = tokenizer(QUESTION, return_tensors="pt", add_special_tokens=False).input_ids
+        pos = torch.arange(ctx.shape[1], ctx.shape[1] + ids.shape[1])[None]
+        for _ in range(new_tokens):
+            out = model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+            ids, pos = out.logits[:, -1].argmax(-1, keepdim=True), pos[:, -1:] + 1
+
+    return run
+
+
+def measure(engine, side: str, n_tokens: int, new_tokens: int) -> dict:
+    """Warm up, then measure one ``n_tokens`` document on ``side`` ('ours' or 'transformers')."""
+    from common import context_ids
+
+    tokenizer, model = engine.tokenizer, engine.model
+    ids = context_ids(tokenizer, n_tokens)[0].tolist()
+    if side == "transformers":
+        model.set_attn_implementation("sdpa")
+        build = lambda text: transformers_side(model, tokenizer, text, new_tokens)  # noqa: E731
+    else:
+        build = lambda text: ours(engine, text, new_tokens)  # noqa: E731
+    build(tokenizer.decode(ids[: max(16, n_tokens // 8)]))()
+    text = tokenizer.decode(ids)
+    build(text)()
+    peak, where = Timeline(model).run(build(text))
+    return {"side": side, "tokens": n_tokens, "peak": peak, "where": where}
+
+
+def worker(args) -> None:
+    import torch
+
+    from pipeline.engine.config import GenerationConfig, ModelConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.kv.config import CompressionConfig
+
+    torch.set_num_threads(args.threads)
+    method = "none" if args.side == "transformers" else args.side
+    engine = Engine.from_config(
+        ModelConfig(name=args.model),
+        CompressionConfig(method=method, cache_size=args.cache_size),
+        GenerationConfig(max_new_tokens=args.new_tokens),
+    )
+    result = measure(engine, "transformers" if args.side == "transformers" else "ours", args.length, args.new_tokens)
+    print("RESULT " + json.dumps({**result, "side": args.side}), flush=True)
+
+
+def run_worker(args, side: str, n_tokens: int) -> dict:
+    """One measurement in a fresh process (its own heap, so earlier documents cannot lend it memory)."""
+    cmd = [sys.executable, __file__, "--worker", "--side", side, "--length", str(n_tokens)]
+    cmd += ["--new-tokens", str(args.new_tokens), "--model", args.model, "--threads", str(args.threads)]
+    cmd += ["--cache-size", str(args.cache_size)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{side} at {n_tokens} tokens failed:\n{proc.stderr[-2000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=parse_ints, default=[2048, 4096])
+    p.add_argument("--methods", default="none", help="our methods, comma-separated (none = full cache)")
+    p.add_argument("--cache-size", type=float, default=0.2, help="for compressed methods")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per side and length")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="also write the report here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--length", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    rows = []
+    sides = ["transformers", *args.methods.split(",")]
+    for n in args.lengths:
+        results: dict[str, list[dict]] = {side: [] for side in sides}
+        for _ in range(args.repeats):
+            for side in sides:
+                results[side].append(run_worker(args, side, n))
+        base = statistics.median(r["peak"] for r in results["transformers"])
+        for side, runs in results.items():
+            label = "transformers DynamicCache" if side == "transformers" else f"ours {side}"
+            peaks = [r["peak"] for r in runs]
+            where = sorted({r["where"] for r in runs})
+            ratio = f"{statistics.median(peaks) / base:.3f}" if base else "n/a"
+            spread = f"{mib(min(peaks))} – {mib(max(peaks))}"
+            rows.append([label, n, mib(statistics.median(peaks)), spread, ", ".join(where), ratio])
+    report = "\n".join(
+        [
+            header("Peak RSS of one document: ours vs transformers' DynamicCache"),
+            table(["side", "tokens", "peak above start (median)", "range", "peak in", "÷ transformers"], rows),
+            "",
+        ]
+    )
+    print(report)
+    if args.out is not None:
+        Path(args.out or HERE / "results" / "prefill_memory.md").write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
