@@ -17,13 +17,16 @@ and the LM head mark the timeline, so the report says in which layer (or stage) 
 Peak = highest sampled RSS minus the RSS just before the document; the table shows the median over
 ``--repeats`` processes per side, sides alternating, and the range. Sampling (not ``VmHWM`` after a
 warm-up) is used because glibc keeps freed small blocks in its heap: a high-water mark taken after
-a warm-up mostly measures which side happened to reuse more of it.
+a warm-up mostly measures which side happened to reuse more of it. Even sampled, glibc's adaptive
+mmap threshold makes single runs vary by tens of MiB; ``--mmap-threshold 65536`` fixes it, so the
+figures follow the live tensors and repeat within about 1 MiB.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -154,7 +157,10 @@ def run_worker(args, side: str, n_tokens: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--side", side, "--length", str(n_tokens)]
     cmd += ["--new-tokens", str(args.new_tokens), "--model", args.model, "--threads", str(args.threads)]
     cmd += ["--cache-size", str(args.cache_size)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if args.mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} at {n_tokens} tokens failed:\n{proc.stderr[-2000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -174,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per side and length")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        help="run the workers with MALLOC_MMAP_THRESHOLD_ set to this many bytes (glibc then returns every "
+        "larger block at once, so RSS follows live tensors; default: glibc's adaptive threshold, as users run)",
+    )
     p.add_argument("--out", default=None, help="also write the report here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--side", default=None, help=argparse.SUPPRESS)
@@ -200,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join(
         [
             header("Peak RSS of one document: ours vs transformers' DynamicCache"),
+            f"- allocator: MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
+            if args.mmap_threshold is not None
+            else "- allocator: glibc defaults (adaptive mmap threshold)",
+            "",
             table(["side", "tokens", "peak above start (median)", "range", "peak in", "÷ transformers"], rows),
             "",
         ]
