@@ -2,6 +2,7 @@
 compile-ready path, so that the answer does not depend on this project's cache.
 
     python benchmarks/compile_probe.py [--length 2048] [--steps 12] [--mode default]
+                                       [--model smollm2] [--dtype float32] [--backend inductor]
                                        [--weight-layout auto] [--out benchmarks/results/compile_probe.md]
 
 The model (fp32, SDPA attention) prefills ``--length`` random token ids into a ``StaticCache``
@@ -9,7 +10,9 @@ The model (fp32, SDPA attention) prefills ``--length`` random token ids into a `
 forward, eager and ``torch.compile(mode=--mode)``-d, alternating eager / compiled blocks of
 ``--steps`` steps twice. Printed: the compile time (first call), median ms per step of each and the
 ratio eager / compiled (> 1: compiling wins). On CPU inductor generates C++ kernels with the system
-compiler; on CUDA ``--mode reduce-overhead`` adds CUDA graphs.
+compiler; on CUDA ``--mode reduce-overhead`` adds CUDA graphs. ``benchmarks/gpu_check.sh`` runs it
+on a random Llama-3.1-8B-shaped model (``--model random-llama-8b --dtype bfloat16``), since GPU
+machines have no model files.
 """
 
 from __future__ import annotations
@@ -48,47 +51,80 @@ def timed_steps(step, start: int, steps: int, device) -> list[float]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--length", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--mode", default="default", help="torch.compile mode (default, reduce-overhead, max-autotune)")
-    p.add_argument("--weight-layout", default="auto", choices=["auto", "row", "column"], help="as the model option")
-    p.add_argument("--out", default=str(RESULTS_DIR / "compile_probe.md"))
-    args = p.parse_args()
-    loaded = load_model(ModelConfig(name="smollm2", dtype="float32", weight_layout=args.weight_layout))
-    model, device = loaded.model, loaded.device
+MODELS = ("smollm2", "random-llama-8b", "random-tiny")
+
+
+def load(name: str, dtype: str, weight_layout: str):
+    """(model, device): the bundled SmolLM2, or a random Llama of gpu_check's 8B / smoke shape (GPU
+    machines need no model files)."""
+    if name == "smollm2":
+        loaded = load_model(ModelConfig(name="smollm2", dtype=dtype, weight_layout=weight_layout))
+        return loaded.model, loaded.device
+    import gpu_check
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = gpu_check.LLAMA_31_8B if name == "random-llama-8b" else gpu_check.SMOKE
+    return gpu_check.build_model(shape, device, getattr(torch, dtype)), device
+
+
+def measure(model, device, n: int, steps: int, mode: str, backend: str = "inductor") -> dict:
+    """Compile time and median eager / compiled ms per decode step after ``n`` cached tokens."""
     model.set_attn_implementation("sdpa")
-    n = args.length
-    cache = StaticCache(config=model.config, max_cache_len=n + 4 * args.steps + 8)
-    ids = torch.randint(100, 20000, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = StaticCache(config=model.config, max_cache_len=n + 4 * steps + 8)
+    vocab = model.config.vocab_size
+    ids = torch.randint(min(100, vocab - 1), vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.inference_mode():
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
 
         def step(token, pos):
             return model(input_ids=token, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
 
-        compiled = torch.compile(step, mode=args.mode)
+        compiled = torch.compile(step, mode=None if backend != "inductor" else mode, backend=backend)
         t0 = time.perf_counter()
         timed_steps(compiled, n, 2, device)  # compiles (and warms up)
         compile_s = time.perf_counter() - t0
         eager, fast = [], []
         start = n + 2
         for _ in range(2):
-            eager += timed_steps(step, start, args.steps, device)
-            fast += timed_steps(compiled, start + args.steps, args.steps, device)
-            start += 2 * args.steps
-    e_ms, c_ms = 1e3 * statistics.median(eager), 1e3 * statistics.median(fast)
-    lines = [header(f"torch.compile of the decode step (SmolLM2 fp32, {device.type}, {n} cached tokens)")]
-    rows = [[args.mode, args.weight_layout, f"{compile_s:.1f}", f"{e_ms:.1f}", f"{c_ms:.1f}", f"**{e_ms / c_ms:.2f}**"]]
-    lines.append("")
-    lines.append(
-        table(
-            ["mode", "weights", "compile s (first 2 steps)", "eager ms/step", "compiled ms/step", "eager ÷ compiled"],
-            rows,
-        )
-    )
-    write_report("\n".join(lines) + "\n", args.out)
+            eager += timed_steps(step, start, steps, device)
+            fast += timed_steps(compiled, start + steps, steps, device)
+            start += 2 * steps
+    return {
+        "compile_s": compile_s,
+        "eager_ms": 1e3 * statistics.median(eager),
+        "compiled_ms": 1e3 * statistics.median(fast),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--mode", default="default", help="torch.compile mode (default, reduce-overhead, max-autotune)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (eager: tracing only, for smoke runs)")
+    p.add_argument("--model", default="smollm2", choices=MODELS, help="random-*: gpu_check's random Llama shapes")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weight-layout", default="auto", choices=["auto", "row", "column"], help="as the model option")
+    p.add_argument("--out", default=str(RESULTS_DIR / "compile_probe.md"))
+    args = p.parse_args(argv)
+    model, device = load(args.model, args.dtype, args.weight_layout)
+    r = measure(model, device, args.length, args.steps, args.mode, args.backend)
+    e_ms, c_ms = r["eager_ms"], r["compiled_ms"]
+    title = f"torch.compile of the decode step ({args.model} {args.dtype}, {device.type}, {args.length} cached tokens)"
+    rows = [
+        [
+            args.mode,
+            args.backend,
+            args.weight_layout,
+            f"{r['compile_s']:.1f}",
+            f"{e_ms:.2f}",
+            f"{c_ms:.2f}",
+            f"**{e_ms / c_ms:.2f}**",
+        ]
+    ]
+    columns = ["mode", "backend", "weights", "compile s (first 2 steps)", "eager ms/step", "compiled ms/step"]
+    body = table([*columns, "eager ÷ compiled"], rows)
+    write_report("\n".join([header(title), "", body]) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,17 @@
 #    machine without GPU), capped at $GPU_CHECK_TEST_BUDGET_S seconds.
 # 3. benchmarks/gpu_check.py: random Llama-3.1-8B-shaped model, 8K and 32K tokens, prefill of
 #    none / snapkv / criticalkv-snapkv, decode full vs 20 % cache, kept KV bytes, peak memory; one
-#    Markdown table. Gets whatever is left of $GPU_CHECK_BUDGET_S.
+#    Markdown table. Gets what is left of $GPU_CHECK_BUDGET_S minus the compile probe's share.
+# 4. benchmarks/compile_probe.py: the same random 8B shape in bf16, transformers' static-cache decode
+#    step at 8K tokens, eager vs torch.compile(mode="reduce-overhead") (CUDA graphs); compile time and
+#    ms per step. Budget $GPU_CHECK_COMPILE_BUDGET_S (default 120; 0 skips it). With --smoke: the tiny
+#    shape and the "eager" backend (tracing only), so CPU runs check the plumbing.
 #
 # Options: --smoke (tiny sizes, CPU is fine), --skip-tests, --out DIR (log, table, JSON, test log),
 # anything else is passed to gpu_check.py. Environment: PYTHON (interpreter), GPU_CHECK_BUDGET_S
-# (whole run, default 450), GPU_CHECK_TEST_BUDGET_S (tests, default 200), GPU_CHECK_WHEELS.
-# Exit status: 0 when the tests passed (or were skipped on request) and the benchmark ran.
+# (whole run, default 450), GPU_CHECK_TEST_BUDGET_S (tests, default 200), GPU_CHECK_COMPILE_BUDGET_S,
+# GPU_CHECK_WHEELS. Exit status: 0 when the tests passed (or were skipped on request) and the
+# benchmark and the compile probe ran.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,7 +37,7 @@ while [ $# -gt 0 ]; do
         --skip-tests) SKIP_TESTS=1 ;;
         --out) OUT="$2"; shift ;;
         --out=*) OUT="${1#--out=}" ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) PASS+=("$1") ;;
     esac
     shift
@@ -40,6 +45,7 @@ done
 
 TOTAL_BUDGET="${GPU_CHECK_BUDGET_S:-450}"
 TEST_BUDGET="${GPU_CHECK_TEST_BUDGET_S:-200}"
+COMPILE_BUDGET="${GPU_CHECK_COMPILE_BUDGET_S:-120}"
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/wheels}"
 START=$SECONDS
 
@@ -137,7 +143,7 @@ fi
 
 # ---- 3. benchmark ----------------------------------------------------------------------------
 ELAPSED=$((SECONDS - START))
-LEFT=$((TOTAL_BUDGET - ELAPSED))
+LEFT=$((TOTAL_BUDGET - ELAPSED - COMPILE_BUDGET))
 if [ "$LEFT" -lt 60 ]; then LEFT=60; fi
 BENCH_BUDGET=$((LEFT - 45))       # stop starting measurements with time left to finish one and print
 echo "== benchmark (budget ${BENCH_BUDGET}s to start measurements, hard limit ${LEFT}s)"
@@ -146,10 +152,29 @@ if [ -n "$OUT" ]; then BENCH_ARGS+=(--out "$OUT"); fi
 timeout --signal=INT --kill-after=15 "$LEFT" "$PYTHON" benchmarks/gpu_check.py "${BENCH_ARGS[@]}" ${PASS[@]+"${PASS[@]}"}
 BENCH_RC=$?
 
+# ---- 4. compiled vs eager decode ---------------------------------------------------------------
+COMPILE_RC=0
+COMPILE_SUMMARY="skipped (GPU_CHECK_COMPILE_BUDGET_S=0)"
+if [ "$COMPILE_BUDGET" -gt 0 ]; then
+    if [ "$SMOKE" = "1" ]; then
+        COMPILE_ARGS=(--model random-tiny --length 96 --steps 2 --backend eager)
+    else
+        COMPILE_ARGS=(--model random-llama-8b --dtype bfloat16 --length 8192 --steps 12 --mode reduce-overhead)
+    fi
+    echo "== compile probe (at most ${COMPILE_BUDGET}s): ${COMPILE_ARGS[*]}"
+    timeout --signal=INT --kill-after=15 "$COMPILE_BUDGET" "$PYTHON" benchmarks/compile_probe.py \
+        "${COMPILE_ARGS[@]}" --out "${OUT:-/tmp}/compile_probe.md"
+    COMPILE_RC=$?
+    COMPILE_SUMMARY="exit status $COMPILE_RC"
+    if [ "$COMPILE_RC" = "124" ] || [ "$COMPILE_RC" = "130" ]; then
+        COMPILE_SUMMARY="timed out after ${COMPILE_BUDGET}s"
+    fi
+fi
+
 echo
 echo "== tests/kv on $DEVICE: $TEST_SUMMARY"
-echo "== benchmark exit status: $BENCH_RC; total $((SECONDS - START))s"
-if [ "$TEST_RC" != "0" ] || [ "$BENCH_RC" != "0" ]; then
+echo "== benchmark exit status: $BENCH_RC; compile probe: $COMPILE_SUMMARY; total $((SECONDS - START))s"
+if [ "$TEST_RC" != "0" ] || [ "$BENCH_RC" != "0" ] || [ "$COMPILE_RC" != "0" ]; then
     exit 1
 fi
 exit 0

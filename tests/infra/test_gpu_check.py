@@ -81,5 +81,6 @@ def test_gpu_check_sh_smoke_without_tests(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| 96 | criticalkv-snapkv |" in proc.stdout
     assert "tests/kv on" in proc.stdout and "skipped (--skip-tests)" in proc.stdout
-    for name in ("gpu_check.md", "gpu_check.json", "gpu_check.log"):
+    assert "compile probe: exit status 0" in proc.stdout and "| default | eager |" in proc.stdout
+    for name in ("gpu_check.md", "gpu_check.json", "gpu_check.log", "compile_probe.md"):
         assert (tmp_path / name).is_file(), name
