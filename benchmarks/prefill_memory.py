@@ -42,54 +42,47 @@ from roofline import header, parse_ints, table  # noqa: E402
 QUESTION = "What is the special magic number mentioned in the text?"
 
 
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 def rss_bytes() -> int:
+    """Resident bytes of this process from ``/proc/self/statm`` (cheaper to read every 0.2 ms than
+    the text of ``/proc/self/status`` that ``roofline.proc_status_bytes`` parses)."""
     with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * 4096
+        return int(fh.read().split()[1]) * PAGE
 
 
-class Timeline:
-    """Sampled RSS plus named marks; ``peak()`` -> (bytes above the start, mark the peak fell in)."""
+def sampled_peak(model, fn) -> tuple[int, str]:
+    """Run ``fn()`` while sampling RSS; returns (peak bytes above the start, the mark it fell in):
+    "start", "layer i" (decoder layer ``i`` had begun) or "lm_head"."""
+    start = rss_bytes()
+    samples: list[tuple[float, int]] = [(time.perf_counter(), start)]
+    marks: list[tuple[float, str]] = [(samples[0][0], "start")]
 
-    def __init__(self, model) -> None:
-        self.samples: list[tuple[float, int]] = []
-        self.marks: list[tuple[float, str]] = [(0.0, "start")]
-        self.hooks = [
-            layer.register_forward_pre_hook(self._marker(f"layer {i}")) for i, layer in enumerate(model.model.layers)
-        ]
-        self.hooks.append(model.lm_head.register_forward_pre_hook(self._marker("lm_head")))
-        self.active = False
+    def marker(name: str):
+        return lambda module, args: marks.append((time.perf_counter(), name))
 
-    def _marker(self, name: str):
-        def hook(module, args):
-            if self.active:
-                self.marks.append((time.perf_counter(), name))
+    hooks = [layer.register_forward_pre_hook(marker(f"layer {i}")) for i, layer in enumerate(model.model.layers)]
+    hooks.append(model.lm_head.register_forward_pre_hook(marker("lm_head")))
+    stop = threading.Event()
 
-        return hook
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.perf_counter(), rss_bytes()))
+            time.sleep(0.0002)
 
-    def run(self, fn) -> tuple[int, str]:
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                self.samples.append((time.perf_counter(), rss_bytes()))
-                time.sleep(0.0002)
-
-        thread = threading.Thread(target=sample, daemon=True)
-        start = rss_bytes()
-        self.samples, self.marks = [(time.perf_counter(), start)], [(time.perf_counter(), "start")]
-        thread.start()
-        self.active = True
-        try:
-            fn()
-        finally:
-            self.active = False
-            stop.set()
-            thread.join()
-            for handle in self.hooks:
-                handle.remove()
-        when, peak = max(self.samples, key=lambda s: s[1])
-        where = [name for t, name in self.marks if t <= when][-1]
-        return max(0, peak - start), where
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        stop.set()
+        thread.join()
+        for handle in hooks:
+            handle.remove()
+    when, peak = max(samples, key=lambda s: s[1])
+    where = [name for t, name in marks if t <= when][-1]
+    return max(0, peak - start), where
 
 
 def ours(engine, text: str, new_tokens: int):
@@ -130,7 +123,7 @@ def measure(engine, side: str, n_tokens: int, new_tokens: int) -> dict:
     build(tokenizer.decode(ids[: max(16, n_tokens // 8)]))()
     text = tokenizer.decode(ids)
     build(text)()
-    peak, where = Timeline(model).run(build(text))
+    peak, where = sampled_peak(model, build(text))
     return {"side": side, "tokens": n_tokens, "peak": peak, "where": where}
 
 

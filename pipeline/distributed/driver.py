@@ -126,18 +126,15 @@ def run_job(config: JobConfig, *, echo: bool = True, score: ScoreFunction | None
         out.unlock()
 
 
-def _progress_printer(docs_scheduled: int | None) -> Callable[[pa.Table], None]:
+def _progress_printer(docs_scheduled: int | None) -> Callable[[pa.Table, int], None]:
     """A line on stderr per committed file: documents done (of those scheduled), rows, elapsed time."""
-    start, seen, rows = time.perf_counter(), set(), [0]
+    start, seen = time.perf_counter(), set()
 
-    def report(table: pa.Table) -> None:
+    def report(table: pa.Table, rows: int) -> None:
         seen.update(table.column("doc_id").to_pylist())
-        rows[0] += table.num_rows
         of = f"/{docs_scheduled}" if docs_scheduled is not None else ""
         elapsed = time.perf_counter() - start
-        print(
-            f"committed {len(seen)}{of} documents, {rows[0]} rows, after {elapsed:.0f} s", file=sys.stderr, flush=True
-        )
+        print(f"committed {len(seen)}{of} documents, {rows} rows, after {elapsed:.0f} s", file=sys.stderr, flush=True)
 
     return report
 

@@ -74,7 +74,8 @@ class BatchCommitter:
 
     ``add(table)`` takes one actor batch's rows (whole documents); with ``rows_per_file`` tables
     are held until they reach that many rows, otherwise each is committed at once. ``flush()``
-    commits what is held. ``on_commit(table)`` is called after each commit (progress).
+    commits what is held. ``on_commit(table, rows)`` is called after each commit with the file's
+    rows and the rows committed so far (progress).
 
     Why the driver and not Ray Data write tasks: the files land on the driver's machine, where the
     next run looks for them (a local ``OUT`` on a multi-node cluster, or the head with
@@ -91,7 +92,7 @@ class BatchCommitter:
         data_dir: str | os.PathLike | Location,
         settings_id: str,
         rows_per_file: int | None = None,
-        on_commit: Callable[[pa.Table], None] | None = None,
+        on_commit: Callable[[pa.Table, int], None] | None = None,
     ) -> None:
         self.data_dir = resolve(data_dir)
         self.data_dir.makedirs()
@@ -99,25 +100,27 @@ class BatchCommitter:
         self.rows_per_file = rows_per_file
         self.on_commit = on_commit
         self.held: list[pa.Table] = []
+        self.held_rows = 0
         self.files = 0
         self.rows = 0
 
     def add(self, table: pa.Table) -> None:
         if table.num_rows:
-            self.held.append(conform(table))
-        if sum(t.num_rows for t in self.held) >= (self.rows_per_file or 1):
+            self.held.append(table)
+            self.held_rows += table.num_rows
+        if self.held_rows >= (self.rows_per_file or 1):
             self.flush()
 
     def flush(self) -> None:
         if not self.held:
             return
-        table = pa.concat_tables(self.held)
+        table = pa.concat_tables([conform(t) for t in self.held])
         commit_table(table, self.data_dir, self.settings_id)
-        self.held = []
+        self.held, self.held_rows = [], 0
         self.files += 1
         self.rows += table.num_rows
         if self.on_commit is not None:
-            self.on_commit(table)
+            self.on_commit(table, self.rows)
 
 
 # ---------------------------------------------------------------------- bookkeeping (driver)

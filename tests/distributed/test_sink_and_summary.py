@@ -107,7 +107,7 @@ def test_summary_of_failed_and_empty_runs():
 
 def test_batch_committer_commits_each_table_or_bundles_rows(tmp_path):
     committed = []
-    each = sink.BatchCommitter(tmp_path / "each", "r1", on_commit=committed.append)
+    each = sink.BatchCommitter(tmp_path / "each", "r1", on_commit=lambda table, rows: committed.append(table))
     each.add(_rows(("a", "0"), ("a", "1")))
     each.add(_rows())  # an empty block commits nothing
     each.add(_rows(("b", "0")))
