@@ -56,9 +56,20 @@ def _strip_optional(annotation: Any) -> Any:
     return annotation
 
 
+def split_top_level(text: str, separator: str = ",") -> list[str]:
+    """``text`` split at ``separator`` outside square brackets: ``"a,b[x=1,y=2]"`` -> ``["a", "b[x=1,y=2]"]``."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == separator and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def _comma_list(item_type):
     def parse(text: str) -> list:
-        return [item_type(part.strip()) for part in text.split(",") if part.strip()]
+        return [item_type(part.strip()) for part in split_top_level(text) if part.strip()]
 
     parse.__name__ = f"comma-separated {item_type.__name__}"
     return parse

@@ -75,7 +75,11 @@ class EvalJob(JobConfig):
     samples: int = Field(5, ge=1, description="documents per task")
     seed: int = Field(0, description="seed of the generated documents")
     summary_tokens: int = Field(128, ge=1, description="summary_essay: generated tokens at most")
-    methods: list[str] = Field(DEFAULT_METHODS, description="methods swept (spellings as --method)")
+    methods: list[str] = Field(
+        DEFAULT_METHODS,
+        description="methods swept (spellings as --method); NAME[knob=value,...] adds a variant of NAME with "
+        "other knob values, e.g. snapkv[window=64,kernel=5,pooling=avg]",
+    )
     cache_sizes: list[float] = Field(
         [0.2, 0.4, 1.0], description="kept fractions; 1.0 adds the full-cache reference (always run)"
     )
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         job = config.job_config(str(write_documents(config)))
     except ValueError as exc:
         fail(f"invalid {exc}")
-    settings = ", ".join(f"{s.method}@{s.cache_size:g}" for s in job.sweep)
+    settings = ", ".join(f"{s.label}@{s.cache_size:g}" for s in job.sweep)
     print(f"{config.samples * len(config.tasks)} documents x {len(job.sweep)} settings ({settings})")
     failed = run_interruptibly(lambda: _run(job))
     if failed is not None:

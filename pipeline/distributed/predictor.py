@@ -91,7 +91,7 @@ def check_same_code(driver_fingerprint: str | None) -> None:
 
 
 def setting_of(config: CompressionConfig) -> Setting:
-    return Setting(config.method, config.cache_size, config.budget)
+    return Setting(config.label, config.cache_size, config.budget)
 
 
 def _short(exc: BaseException) -> str:

@@ -186,7 +186,7 @@ class Engine:
             if isinstance(exc, torch.OutOfMemoryError) and self.oom_retry is not None and variants == 1:
                 cache_size, compressor = self.oom_retry
                 try:
-                    setting = Setting(self.compression.method, cache_size, None)
+                    setting = Setting(self.compression.label, cache_size, None)
                     return self._run_batch([row], compressor, setting)
                 except Exception as retry_exc:
                     self._release_memory()

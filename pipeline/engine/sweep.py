@@ -44,7 +44,7 @@ def decode_groups(compressors: list[Compressor], size: int) -> list[list[int]]:
 
 def _layout_key(compressor: Compressor) -> tuple:
     cfg = compressor.config
-    return (cfg.cache_size, cfg.budget or 0, cfg.allocation, cfg.method)
+    return (cfg.cache_size, cfg.budget or 0, cfg.allocation, cfg.label)
 
 
 def reconstruction_key(compressor: Compressor) -> tuple | None:
@@ -80,7 +80,7 @@ class SweepBatch:
             entries, kept_bytes, compress_s, per_round = self.results[index]
             cfg = compressor.config
             cost = ContextCost(entries, kept_bytes, prefill_s + compress_s, compress_s, meter.peak_bytes)
-            setting = Setting(cfg.method, cfg.cache_size, cfg.budget)
+            setting = Setting(cfg.label, cfg.cache_size, cfg.budget)
             answers += make_answers(rows, ctx_len.tolist(), per_round, cost, engine.shape, setting, self.reference)
         return answers
 

@@ -9,32 +9,86 @@ document plus, per setting, a compression and the answer's decode. Answers are s
 Settings: every method at every cache size below 1.0, plus ONE full-cache setting (method
 ``none``, cache size 1.0) as the reference, whatever methods were asked for (at cache size 1.0
 every method keeps everything and equals ``none``, which the test suite checks).
+
+Variants: a method entry ``NAME[knob=value,...]`` sweeps ``NAME`` with other values of its part
+knobs (``snapkv[window=64,kernel=5,pooling=avg]``), side by side with ``NAME`` itself from the same
+prefill; its rows carry the label (knobs sorted, values as validated) in the ``method`` column.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..kv.config import CompressionConfig, method_names
+from ..kv.config import PART_FIELDS, CompressionConfig, method_names
 from .ruler import MAX_NEW_TOKENS, TASKS, generate_task
 from .summaries import SUMMARY_TASK, summary_documents
 
+NOT_VARIED = {"method", *PART_FIELDS, "cache_size", "budget", "variant"}  # a variant changes knobs only
+
+
+def parse_variant(entry: str) -> tuple[str, dict[str, str]]:
+    """``"snapkv[window=64,pooling=avg]"`` -> ``("snapkv", {"window": "64", "pooling": "avg"})``;
+    a plain method name has no overrides."""
+    text = entry.strip()
+    if "[" not in text and "]" not in text:
+        return text, {}
+    name, bracket, rest = text.partition("[")
+    if not bracket or not rest.endswith("]") or "[" in rest or "]" in rest[:-1]:
+        raise ValueError(f"methods: {entry!r} is not NAME or NAME[knob=value,...]")
+    overrides: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest[:-1].split(","))):
+        knob, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or not knob or not value:
+            raise ValueError(f"methods: {entry!r}: {item!r} is not knob=value")
+        if knob in overrides:
+            raise ValueError(f"methods: {entry!r} sets {knob} twice")
+        overrides[knob] = value
+    if not overrides:
+        raise ValueError(f"methods: {entry!r} has empty brackets")
+    return name.strip(), overrides
+
+
+def _variant_config(entry: str, size: float, base: CompressionConfig) -> CompressionConfig:
+    """The validated setting of one ``--methods`` entry at one cache size."""
+    name, overrides = parse_variant(entry)
+    knobs = set(CompressionConfig.model_fields) - NOT_VARIED
+    unknown = sorted(set(overrides) - knobs)
+    if unknown:
+        raise ValueError(f"methods: {entry!r}: {', '.join(unknown)} cannot vary; knobs: {', '.join(sorted(knobs))}")
+    try:
+        config = base.with_method(name, cache_size=size, budget=None, variant=None, **overrides)
+    except ValueError as exc:  # pydantic's ValidationError names the field
+        raise ValueError(f"methods: {entry!r}: {exc}") from None
+    if not overrides:
+        return config
+    label = ",".join(f"{knob}={_spelled(getattr(config, knob))}" for knob in sorted(overrides))
+    return config.with_method(variant=label)
+
+
+def _spelled(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
 
 def sweep_settings(methods: list[str], cache_sizes: list[float], base: CompressionConfig) -> list[CompressionConfig]:
-    """One CompressionConfig per (method, cache size < 1) plus the full-cache reference."""
+    """One CompressionConfig per (method entry, cache size < 1) plus the full-cache reference; an
+    entry is a method name or a variant ``NAME[knob=value,...]`` (see the module docstring)."""
     valid = method_names()
-    unknown = [m for m in methods if m not in valid]
+    unknown = [m for m in methods if parse_variant(m)[0] not in valid]
     if unknown:
         raise ValueError(f"methods: unknown {unknown}; choose from {', '.join(valid)}")
     bad = [c for c in cache_sizes if not 0.0 < c <= 1.0]
     if bad:
         raise ValueError(f"cache_sizes: {bad} outside (0, 1]")
-    settings = [base.with_method("none", cache_size=1.0, budget=None)]
-    for method in methods:
-        if method == "none":
+    settings = [base.with_method("none", cache_size=1.0, budget=None, variant=None)]
+    for entry in methods:
+        if entry.strip() == "none":
             continue
         for size in sorted(c for c in cache_sizes if c < 1.0):
-            settings.append(base.with_method(method, cache_size=size, budget=None))
+            settings.append(_variant_config(entry, size, base))
+    labels = [(s.label, s.cache_size) for s in settings]
+    twice = sorted({label for (label, _size) in labels if labels.count((label, _size)) > 1})
+    if twice:
+        raise ValueError(f"methods: {', '.join(twice)} swept twice (their rows would share ids)")
     return settings
 
 

@@ -103,6 +103,11 @@ class _CompressionCore(BaseModel):
     window: int = Field(32, ge=1, description="observation window: the last context tokens, always kept")
     max_cache_tokens: int | None = Field(None, ge=1, description="decode-time cap of entries per KV head")
     query_aware: bool = Field(False, description="compress with the question inside the observation window")
+    variant: str | None = Field(
+        None,
+        description="the knob overrides of a swept variant, as its label spells them (set by the sweep)",
+        json_schema_extra={"cli": False},
+    )
 
 
 class CompressionConfig(_CompressionCore, *_part_options()):
@@ -156,6 +161,11 @@ class CompressionConfig(_CompressionCore, *_part_options()):
     @property
     def method(self) -> str:
         return method_name(self.scorer, self.allocation, self.selection)
+
+    @property
+    def label(self) -> str:
+        """The output's ``method`` column: the spelling, plus ``[knob=value,...]`` for a sweep variant."""
+        return self.method if self.variant is None else f"{self.method}[{self.variant}]"
 
     def with_method(self, method: str | None = None, **updates) -> CompressionConfig:
         """A validated copy with another method (its spelling) and/or other field values."""

@@ -161,6 +161,39 @@ def test_sweep_rows_per_setting_with_task_and_score():
         assert row["kv_bytes_kept"] / full == pytest.approx(1.008 if row["method"] == "none" else 0.3, abs=0.03)
 
 
+def test_sweep_variants_answer_as_their_own_runs_under_their_labels():
+    """Variants of one method (other knob values) swept from one prefill answer and keep exactly what
+    a job run with that configuration alone does; their rows carry the variant label."""
+    settings = sweep_settings(
+        ["snapkv", "snapkv[window=8,kernel=1,pooling=avg]"], [0.4], CompressionConfig(window=4, kernel=3)
+    )
+    docs = small_docs(2)
+
+    def rows(compression, sweep=None):
+        predictor = Predictor(
+            model={"name": "tiny-llama"},
+            compression=compression.model_dump(mode="json"),
+            generation={"max_new_tokens": 4, "batch_size": 2},
+            job_fields={**JOB_FIELDS, "job": "eval_compression"} if sweep else JOB_FIELDS,
+            engine_factory=TINY_FACTORY,
+            sweep=[s.model_dump(mode="json") for s in sweep] if sweep else None,
+        )
+        return predictor(_batch(docs)).to_pylist()
+
+    swept = rows(settings[0], settings)
+    assert {r["method"] for r in swept} == {"none", "snapkv", "snapkv[kernel=1,pooling=avg,window=8]"}
+    for setting in settings[1:]:
+        mine = [r for r in swept if r["method"] == setting.label]
+        alone = rows(setting.with_method(variant=None))
+        assert [r["prediction"] for r in mine] == [r["prediction"] for r in alone]
+        assert [r["kv_entries_kept"] for r in mine] == [r["kv_entries_kept"] for r in alone]
+        assert all(r["question_id"].endswith(f"|{setting.label}|0.4") for r in mine)
+    plain, variant = ([r["kv_entries_kept"] for r in swept if r["method"] == s.label] for s in settings[1:])
+    assert plain == variant  # same budget: the kept counts agree
+    answers = [[r["prediction"] for r in swept if r["method"] == s.label] for s in settings[1:]]
+    assert answers[0] != answers[1]  # ... and other entries: the variant is not the plain method
+
+
 def test_oom_rows_are_recorded_or_retried_smaller(faults):
     faults(oom=["d0"], oom_above=0.3)
     docs = small_docs(3)

@@ -57,3 +57,45 @@ def test_summary_documents_fit_and_score_against_the_full_cache():
     assert score_answer(SUMMARY_TASK, "x", None, None) is None  # not in a sweep with the full cache
     with pytest.raises(ValueError, match="essays reach"):
         sweep_documents([SUMMARY_TASK], 100000, 1, count)
+
+
+def test_variants_sweep_other_knob_values_under_their_own_label():
+    base = CompressionConfig(window=16)
+    settings = sweep_settings(
+        ["snapkv", "snapkv[window=8,pooling=avg,kernel=5]", "layer-kvzip[kvzip_plus=true]"], [0.2], base
+    )
+    assert [(s.label, s.cache_size) for s in settings] == [
+        ("none", 1.0),
+        ("snapkv", 0.2),
+        ("snapkv[kernel=5,pooling=avg,window=8]", 0.2),
+        ("layer-kvzip[kvzip_plus=true]", 0.2),
+    ]
+    plain, variant, plus = settings[1:]
+    assert (plain.window, plain.kernel, plain.pooling, plain.variant) == (16, 7, "max", None)
+    assert (variant.window, variant.kernel, variant.pooling, variant.method) == (8, 5, "avg", "snapkv")
+    assert plus.kvzip_plus is True and plus.allocation == "layer"
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("snapkv[window=64", "not NAME or NAME"),
+        ("snapkv[window]", "is not knob=value"),
+        ("snapkv[]", "empty brackets"),
+        ("snapkv[window=8,window=9]", "sets window twice"),
+        ("snapkv[cache_size=0.5]", "cache_size cannot vary"),
+        ("snapkv[scorer=knorm]", "scorer cannot vary"),
+        ("snapkv[colour=red]", "colour cannot vary"),
+        ("snapkv[kernel=4]", "kernel must be odd"),
+        ("snapkv[window=many]", "window"),
+        ("magic[window=8]", "unknown"),
+    ],
+)
+def test_bad_variants_fail_naming_the_entry(entry, message):
+    with pytest.raises(ValueError, match=message):
+        sweep_settings([entry], [0.2], CompressionConfig())
+
+
+def test_a_variant_equal_in_label_to_another_entry_is_refused():
+    with pytest.raises(ValueError, match="swept twice"):
+        sweep_settings(["snapkv[window=8]", "snapkv[window=08]"], [0.2], CompressionConfig())
