@@ -11,6 +11,13 @@ is a median over ``--repeats``; only ratios measured in the same run are claims.
 (``/proc/self/status`` VmHWM after a reset) is the process' growth during the prefill, model weights
 excluded: per-layer methods hold one layer's dense K/V at a time, deferred methods (cross-layer
 allocation, KVzip) the whole dense cache until they select.
+
+``FLOPs ÷ plain`` is the floor the time ratio cannot beat at equal efficiency: the model's forward
+FLOPs of the method's prefill (the context, plus KVzip's reconstruction passes with their token
+counts as run) over the plain prefill's, counting the decoder's matmuls (2 per weight per token) and
+the attention (4·H_q·D per visible key per query, causal). Scoring work is not counted. A pass of T
+tokens over a context of n attends to n + its own keys, so where the model is narrow (SmolLM2: 576
+wide, 9 query heads of 64) the passes' attention is as large as their matmuls and the floor exceeds 2.
 """
 
 from __future__ import annotations
@@ -39,6 +46,35 @@ DEFAULT_METHODS = (
 )
 
 
+def forward_tokens(model, fn) -> list[int]:
+    """Tokens of each forward through the decoder while ``fn()`` runs (the prefill, then each pass)."""
+    seen: list[int] = []
+    layer = model.base_model.layers[0]
+    handle = layer.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(int(kwargs.get("hidden_states", args[0] if args else None).shape[1])),
+        with_kwargs=True,
+    )
+    try:
+        fn()
+    finally:
+        handle.remove()
+    return seen
+
+
+def forward_flops(model, tokens: list[int]) -> float:
+    """Decoder FLOPs of forwards of ``tokens[0]`` context tokens, then passes of ``tokens[1:]``
+    tokens each that attend to the whole context plus their own keys (see the module docstring)."""
+    cfg = model.config
+    weights = sum(p.numel() for layer in model.base_model.layers for p in layer.parameters() if p.dim() == 2)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_key = 4 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
+    n = tokens[0]
+    flops = 2 * weights * n + per_key * n * (n + 1) / 2
+    for t in tokens[1:]:
+        flops += 2 * weights * t + per_key * (n * t + t * (t + 1) / 2)
+    return flops
+
+
 def measure(engine_for, tokenizer, methods: list[str], n: int, repeats: int) -> dict[str, dict]:
     """Per method: prefill seconds, peak RSS growth and kept / full bytes of one ``n``-token document."""
     text = tokenizer.decode(context_ids(tokenizer, n)[0].tolist())
@@ -48,10 +84,16 @@ def measure(engine_for, tokenizer, methods: list[str], n: int, repeats: int) -> 
     for r in range(repeats):
         for method in methods if r % 2 == 0 else list(reversed(methods)):
             engine = engine_for(method)
+            held = {}
+
+            def run(e=engine, held=held):  # a pre-hook on layer 0 only: microseconds per forward
+                held["cache"] = e.compress_context(request)
+
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                cache = engine.compress_context(request)
+                out[method]["forwards"] = forward_tokens(engine.model, run)
                 seconds = time.perf_counter() - t0
+            cache = held.pop("cache")
             out[method]["seconds"].append(seconds)
             out[method]["peak"].append(mem.delta_bytes)
             tokens = len(engine.prompts.encode(request.context, request.questions).context_ids)
@@ -86,6 +128,7 @@ def main() -> None:
     for n in parse_ints(args.lengths):
         res = measure(engine_for, loaded.tokenizer, methods, n, args.repeats)
         base = median(res["none"]["seconds"]) if "none" in res else None
+        plain_flops = forward_flops(loaded.model, res[methods[0]]["forwards"][:1])
         rows = []
         for method in methods:
             r = res[method]
@@ -96,6 +139,7 @@ def main() -> None:
                     method,
                     f"{sec:.2f}",
                     f"{sec / base:.2f}" if base else "-",
+                    f"{forward_flops(loaded.model, r['forwards']) / plain_flops:.2f}",
                     f"{median(peak) / 2**20:.0f}" if peak else "-",
                     f"{r['kept']:.3f}",
                 ]
@@ -103,7 +147,16 @@ def main() -> None:
         lines.append(f"\n## {res[methods[0]]['tokens']} context tokens (median of {args.repeats})\n")
         lines.append(
             table(
-                ["method", "prefill s", "÷ plain prefill", "peak MiB above start", "kept / full bytes"], rows, "lrrrr"
+                [
+                    "method",
+                    "prefill s",
+                    "÷ plain prefill",
+                    "FLOPs ÷ plain",
+                    "peak MiB above start",
+                    "kept / full bytes",
+                ],
+                rows,
+                "lrrrrr",
             )
         )
         print("\n".join(lines[-2:]), flush=True)

@@ -150,6 +150,19 @@ def test_method_costs_measure_on_tiny_model():
     res = method_costs.measure(engine_for, loaded.tokenizer, ["none", "layer-kvzip", "snapkv"], 120, repeats=1)
     assert res["none"]["kept"] > 1.0 > 0.4 > res["layer-kvzip"]["kept"] > 0.25
     assert all(len(r["seconds"]) == 1 and r["seconds"][0] > 0 for r in res.values())
+    # the prefill is one forward of the context; KVzip adds its passes (one chunk here), each a
+    # repeat prompt plus the chunk's own tokens
+    n = res["none"]["tokens"]
+    assert res["none"]["forwards"] == res["snapkv"]["forwards"] == [n]
+    first, *passes = res["layer-kvzip"]["forwards"]
+    assert first == n and len(passes) == 1 and passes[0] > n - 20
+    cfg = loaded.model.config
+    weights = sum(p.numel() for layer in loaded.model.base_model.layers for p in layer.parameters() if p.dim() == 2)
+    per_key = 4 * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * cfg.num_hidden_layers
+    naive_plain = sum(2 * weights + per_key * (i + 1) for i in range(n))  # token i sees keys 0..i
+    naive_pass = sum(2 * weights + per_key * (n + j + 1) for j in range(passes[0]))
+    assert method_costs.forward_flops(loaded.model, [n]) == pytest.approx(naive_plain)
+    assert method_costs.forward_flops(loaded.model, [n, *passes]) == pytest.approx(naive_plain + naive_pass)
 
 
 def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
