@@ -12,7 +12,9 @@ and the LM head mark the timeline, so the report says in which layer (or stage) 
 * **transformers**: the same model with SDPA attention and a ``DynamicCache``: ``model.model`` over
   the context, then the question and the same number of greedy steps. This is what kvpress's
   pipeline runs for a document without a press (its context prefill calls ``model.model`` with a
-  ``DynamicCache``), in this venv so that both sides use the same torch and allocator.
+  ``DynamicCache``), in this venv so that both sides use the same torch and allocator. It is fed
+  the very token ids ours prefills (the chat template around the context, then the question with
+  the template's tail), so both caches hold the same number of tokens.
 
 Peak = highest sampled RSS minus the RSS just before the document; the table shows the median over
 ``--repeats`` processes per side, sides alternating, and the range. Sampling (not ``VmHWM`` after a
@@ -91,16 +93,19 @@ def ours(engine, text: str, new_tokens: int):
     return lambda: engine.generate([Request("bench", text, [QUESTION], max_new_tokens=new_tokens)])
 
 
-def transformers_side(model, tokenizer, text: str, new_tokens: int):
+def transformers_side(engine, text: str, new_tokens: int):
     import torch
     from transformers import DynamicCache
 
+    model = engine.model
+    prompt = engine.prompts.encode(text, [QUESTION])  # the token ids ours prefills and asks
+
     @torch.inference_mode()
     def run() -> None:
-        ctx = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        ctx = torch.tensor([prompt.context_ids])
         cache = DynamicCache()
         model.model(input_ids=ctx, past_key_values=cache)
-        ids = tokenizer(QUESTION, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = torch.tensor([prompt.question_ids[0]])
         pos = torch.arange(ctx.shape[1], ctx.shape[1] + ids.shape[1])[None]
         for _ in range(new_tokens):
             out = model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
@@ -117,7 +122,7 @@ def measure(engine, side: str, n_tokens: int, new_tokens: int) -> dict:
     ids = context_ids(tokenizer, n_tokens)[0].tolist()
     if side == "transformers":
         model.set_attn_implementation("sdpa")
-        build = lambda text: transformers_side(model, tokenizer, text, new_tokens)  # noqa: E731
+        build = lambda text: transformers_side(engine, text, new_tokens)  # noqa: E731
     else:
         build = lambda text: ours(engine, text, new_tokens)  # noqa: E731
     build(tokenizer.decode(ids[: max(16, n_tokens // 8)]))()
