@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,8 +47,9 @@ DEFAULT_METHODS = (
 )
 
 
-def forward_tokens(model, fn) -> list[int]:
-    """Tokens of each forward through the decoder while ``fn()`` runs (the prefill, then each pass)."""
+def forward_tokens(model, fn) -> tuple[object, list[int]]:
+    """``fn()``'s result and the tokens of each forward through the decoder while it ran (the
+    prefill, then each reconstruction pass); a pre-hook on layer 0 only, microseconds per forward."""
     seen: list[int] = []
     layer = model.base_model.layers[0]
     handle = layer.register_forward_pre_hook(
@@ -55,10 +57,10 @@ def forward_tokens(model, fn) -> list[int]:
         with_kwargs=True,
     )
     try:
-        fn()
+        result = fn()
     finally:
         handle.remove()
-    return seen
+    return result, seen
 
 
 def forward_flops(model, tokens: list[int]) -> float:
@@ -84,16 +86,10 @@ def measure(engine_for, tokenizer, methods: list[str], n: int, repeats: int) -> 
     for r in range(repeats):
         for method in methods if r % 2 == 0 else list(reversed(methods)):
             engine = engine_for(method)
-            held = {}
-
-            def run(e=engine, held=held):  # a pre-hook on layer 0 only: microseconds per forward
-                held["cache"] = e.compress_context(request)
-
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                out[method]["forwards"] = forward_tokens(engine.model, run)
+                cache, out[method]["forwards"] = forward_tokens(engine.model, partial(engine.compress_context, request))
                 seconds = time.perf_counter() - t0
-            cache = held.pop("cache")
             out[method]["seconds"].append(seconds)
             out[method]["peak"].append(mem.delta_bytes)
             tokens = len(engine.prompts.encode(request.context, request.questions).context_ids)

@@ -17,6 +17,7 @@ prefill; its rows carry the label (knobs sorted, values as validated) in the ``m
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from ..kv.config import PART_FIELDS, CompressionConfig, method_names
@@ -85,8 +86,7 @@ def sweep_settings(methods: list[str], cache_sizes: list[float], base: Compressi
             continue
         for size in sorted(c for c in cache_sizes if c < 1.0):
             settings.append(_variant_config(entry, size, base))
-    labels = [(s.label, s.cache_size) for s in settings]
-    twice = sorted({label for (label, _size) in labels if labels.count((label, _size)) > 1})
+    twice = sorted({label for (label, _size), n in Counter((s.label, s.cache_size) for s in settings).items() if n > 1})
     if twice:
         raise ValueError(f"methods: {', '.join(twice)} swept twice (their rows would share ids)")
     return settings
