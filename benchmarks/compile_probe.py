@@ -3,16 +3,19 @@ compile-ready path, so that the answer does not depend on this project's cache.
 
     python benchmarks/compile_probe.py [--length 2048] [--steps 12] [--mode default]
                                        [--model smollm2] [--dtype float32] [--backend inductor]
-                                       [--weight-layout auto] [--out benchmarks/results/compile_probe.md]
+                                       [--weight-layout auto] [--inductor-flags freezing,cpp_wrapper]
+                                       [--out benchmarks/results/compile_probe.md]
 
 The model (fp32, SDPA attention) prefills ``--length`` random token ids into a ``StaticCache``
 (fixed shapes: what CUDA graphs and inductor need), then decodes one token per step through the same
 forward, eager and ``torch.compile(mode=--mode)``-d, alternating eager / compiled blocks of
 ``--steps`` steps twice. Printed: the compile time (first call), median ms per step of each and the
 ratio eager / compiled (> 1: compiling wins). On CPU inductor generates C++ kernels with the system
-compiler; on CUDA ``--mode reduce-overhead`` adds CUDA graphs. ``benchmarks/gpu_check.sh`` runs it
-on a random Llama-3.1-8B-shaped model (``--model random-llama-8b --dtype bfloat16``), since GPU
-machines have no model files.
+compiler; ``--inductor-flags`` turns on boolean ``torch._inductor.config`` options for the run
+(``freezing`` folds the weights into the graph as constants and prepacks them for oneDNN,
+``cpp_wrapper`` drops the Python wrapper around the kernels). On CUDA ``--mode reduce-overhead``
+adds CUDA graphs. ``benchmarks/gpu_check.sh`` runs it on a random Llama-3.1-8B-shaped model
+(``--model random-llama-8b --dtype bfloat16``), since GPU machines have no model files.
 """
 
 from __future__ import annotations
@@ -96,6 +99,18 @@ def measure(model, device, n: int, steps: int, mode: str, backend: str = "induct
     }
 
 
+def set_inductor_flags(spec: str) -> list[str]:
+    """Turn on the named boolean ``torch._inductor.config`` options; an unknown or non-boolean name fails."""
+    import torch._inductor.config as inductor_config
+
+    flags = [name.strip() for name in spec.split(",") if name.strip()]
+    for name in flags:
+        if not isinstance(getattr(inductor_config, name, None), bool):
+            raise SystemExit(f"--inductor-flags: {name!r} is not a boolean torch._inductor.config option")
+        setattr(inductor_config, name, True)
+    return flags
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--length", type=int, default=2048)
@@ -105,8 +120,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2", choices=MODELS, help="random-*: gpu_check's random Llama shapes")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--weight-layout", default="auto", choices=["auto", "row", "column"], help="as the model option")
+    p.add_argument(
+        "--inductor-flags",
+        default="",
+        help="comma-separated boolean torch._inductor.config options to turn on, e.g. freezing,cpp_wrapper",
+    )
     p.add_argument("--out", default=str(RESULTS_DIR / "compile_probe.md"))
     args = p.parse_args(argv)
+    flags = set_inductor_flags(args.inductor_flags)
     model, device = load(args.model, args.dtype, args.weight_layout)
     r = measure(model, device, args.length, args.steps, args.mode, args.backend)
     e_ms, c_ms = r["eager_ms"], r["compiled_ms"]
@@ -116,13 +137,15 @@ def main(argv: list[str] | None = None) -> None:
             args.mode,
             args.backend,
             args.weight_layout,
+            ",".join(flags) or "-",
             f"{r['compile_s']:.1f}",
             f"{e_ms:.2f}",
             f"{c_ms:.2f}",
             f"**{e_ms / c_ms:.2f}**",
         ]
     ]
-    columns = ["mode", "backend", "weights", "compile s (first 2 steps)", "eager ms/step", "compiled ms/step"]
+    columns = ["mode", "backend", "weights", "inductor flags", "compile s (first 2 steps)"]
+    columns += ["eager ms/step", "compiled ms/step"]
     body = table([*columns, "eager ÷ compiled"], rows)
     write_report("\n".join([header(title), "", body]) + "\n", args.out)
 

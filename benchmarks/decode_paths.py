@@ -5,10 +5,12 @@
 
 Paths (switches, both in the library):
 
-* ``previous``: linear weights in the row order they are loaded in (``--weight-layout row``) and a
-  uniform cache's decode step through SDPA (``CRITICALKV_DENSE_DECODE=sdpa``);
-* ``current``: the defaults, i.e. column-order weights on CPU (``weight_layout=auto``) and grouped
-  matmuls over the dense view (``dense-grouped``). Ragged caches take the blocked kernel on both.
+* ``previous``: linear weights in the row order they are loaded in (``--weight-layout row``), a
+  uniform cache's decode step through SDPA (``CRITICALKV_DENSE_DECODE=sdpa``) and a ragged cache's
+  through the blocked kernel (``CRITICALKV_RAGGED_DECODE=blocked``);
+* ``current``: the defaults, i.e. column-order weights on CPU (``weight_layout=auto``), grouped
+  matmuls over a uniform cache's dense view (``dense-grouped``) and the flat kernel over a ragged
+  cache of one row (``flat``).
 
 For each context length and cache (``none`` = full, ``snapkv`` = uniform, ``criticalkv-adakv-snapkv``
 = ragged, both at ``--cache-size``) every path prefills the same ids and decodes ``--steps`` greedy
@@ -50,18 +52,19 @@ from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
 from pipeline.kv.compress import Compressor  # noqa: E402
 from pipeline.kv.config import CompressionConfig  # noqa: E402
 from pipeline.kv.rope import model_rotary  # noqa: E402
-from pipeline.kv.varlen_kernels import DENSE_ENV  # noqa: E402
+from pipeline.kv.varlen_kernels import DENSE_ENV, RAGGED_ENV  # noqa: E402
 
-PATHS = {"previous": ("row", "sdpa"), "current": ("auto", "")}  # weight layout, dense decode kernel
+# weight layout, dense decode kernel, ragged decode kernel ("" = the library's choice)
+PATHS = {"previous": ("row", "sdpa", "blocked"), "current": ("auto", "", "")}
 RAGGED = "criticalkv-adakv-snapkv"
 CACHES = ("none", "snapkv", RAGGED)
 
 
 def use_path(model, name: str) -> None:
-    """Switch the weights' order and the dense decode kernel (ragged caches: blocked on both)."""
-    layout, kernel = PATHS[name]
+    """Switch the weights' order and the dense and ragged decode kernels."""
+    layout, dense, ragged = PATHS[name]
     apply_weight_layout(model, layout)
-    os.environ[DENSE_ENV] = kernel
+    os.environ[DENSE_ENV], os.environ[RAGGED_ENV] = dense, ragged
 
 
 @torch.inference_mode()

@@ -11,8 +11,9 @@ Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_ch
    full K/V.
 2. Later chunks (question tokens, then one token per decode step): ``update`` appends to every
    segment, :meth:`attend` runs attention over the variable-length segments with the kernel
-   :func:`~pipeline.kv.varlen_kernels.choose_kernel` picks (fp32 reference on CPU, flash-attn's
-   varlen kernel or SDPA on CUDA). A decode step over a uniform, padding-free cache (uniform
+   :func:`~pipeline.kv.varlen_kernels.choose_kernel` picks (on CPU the blocked kernel, and for a
+   single row's decode step the flat one; flash-attn's varlen kernel or SDPA on CUDA; the fp32
+   reference when the decode cap needs probabilities). A decode step over a uniform, padding-free cache (uniform
    budgets) skips all of that: it reads a zero-copy (B, H_kv, L, D) view of the store (grouped
    matmuls on CPU, :func:`~pipeline.kv.attention.grouped_decode_attention`; SDPA on CUDA).
 3. Optional decode-time cap (``max_cache_tokens``, :mod:`pipeline.kv.decode_cap`).
@@ -37,6 +38,8 @@ from .varlen_kernels import (
     choose_kernel,
     dense_decode_kernel,
     flash_varlen_attention,
+    flat_decode_attention,
+    ragged_decode_kernel,
     sdpa_varlen_attention,
 )
 
@@ -218,6 +221,10 @@ class VarLenCache(ChunkCache):
             return grouped_decode_attention(query, keys, values, scaling), "dense-grouped"
         if kernel == "flash":
             return flash_varlen_attention(query, layer, scaling), kernel
+        if kernel == "blocked" and ragged_decode_kernel(query, layer) == "flat":
+            out = flat_decode_attention(query, layer, scaling)
+            if out is not None:
+                return out, "flat"
         if kernel == "blocked":
             out = blocked_attention(query, layer, self.query_pos, scaling)
             if out is not None:

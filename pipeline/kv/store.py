@@ -13,17 +13,17 @@ the full cache. Order inside a segment does not matter for attention (keys are s
 RoPE), so eviction may reorder entries; original positions are kept alongside.
 
 Once a layer has grown (:meth:`VarLenLayer.reserve`, before the question and the answer are
-appended), every segment's capacity is a multiple of ``BLOCK`` and starts on a block boundary, so
+appended), every segment's capacity is a multiple of ``BLOCK`` and starts on a block boundary:
 ``keys.view(C // BLOCK, BLOCK, D)`` is a zero-copy block view in which every block belongs to one
-segment; :meth:`VarLenLayer.block_table` says which. The blocked decode kernel
-(:func:`pipeline.kv.varlen_kernels.blocked_decode_attention`) reads ragged caches through it
-without gathering their entries.
+segment (:meth:`VarLenLayer.block_table`), and :meth:`VarLenLayer.head_bias` masks the flat
+buffer per KV head. The blocked and flat kernels (:mod:`pipeline.kv.varlen_kernels`) read ragged
+caches through them without gathering their entries.
 
 Uniform layouts (uniform budgets, and every decode step after them) are tracked on the Python
 side: ``uniform`` is the common segment length when every segment has the same length and
 segments sit at ``s * uniform_capacity``, and ``padding_free`` says no live entry is a padding
-token. Then appends are strided slice copies and :meth:`dense_view` is a zero-copy
-(B, H, L, D) view that SDPA reads directly, with no per-step index arithmetic or host syncs.
+token. Then appends are strided slice copies and :meth:`dense_view` is a zero-copy (B, H, L, D)
+view read directly, with no per-step index arithmetic or host syncs.
 """
 
 from __future__ import annotations
@@ -62,11 +62,15 @@ class VarLenLayer:
         self.uniform_capacity = 0
         self.padding_free = False
         self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._head_bias: torch.Tensor | None = None
+        self._segment_heads = torch.arange(num_rows * num_heads, device=length.device) % num_heads
         self._refresh_layout()
 
     def _refresh_layout(self) -> None:
-        """Recompute ``uniform`` / ``uniform_capacity`` / ``padding_free`` from the tensors (syncs)."""
-        self._blocks = None
+        """Recompute ``uniform`` / ``uniform_capacity`` / ``padding_free`` and the free slots every
+        segment has from the tensors (syncs)."""
+        self._blocks = self._head_bias = None
+        self._spare = int((self.capacity - self.length).min()) if self.length.numel() else 0
         self.uniform, self.uniform_capacity = None, 0
         if self.length.numel() and self.is_rectangular():
             length = int(self.length[0])
@@ -143,7 +147,7 @@ class VarLenLayer:
     def nbytes(self) -> int:
         """Bytes of every tensor this layer holds (K, V, positions, segment table, statistics)."""
         tensors = [self.keys, self.values, self.positions, self.start, self.length, self.capacity]
-        tensors += [t for t in (self.acc_attention, self.value_norm) if t is not None]
+        tensors += [t for t in (self.acc_attention, self.value_norm, self._head_bias) if t is not None]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def is_rectangular(self) -> bool:
@@ -163,10 +167,9 @@ class VarLenLayer:
         """
         if self.uniform is not None and self.uniform + extra <= self.uniform_capacity:
             return
-        need = self.length + extra
-        if bool((need <= self.capacity).all()) and self.block_table() is not None:
+        if extra <= self._spare and self.block_table() is not None:  # no per-step comparison or sync
             return
-        new_cap = torch.maximum(self.capacity, need + slack)
+        new_cap = torch.maximum(self.capacity, self.length + extra + slack)
         self._relayout((new_cap + BLOCK - 1) // BLOCK * BLOCK)
 
     def _relayout(self, new_capacity: torch.Tensor) -> None:
@@ -226,15 +229,20 @@ class VarLenLayer:
             self.positions.view(segments, cap)[:, old : old + t] = pos.reshape(segments, t)
             if self.acc_attention is not None:
                 self.acc_attention.view(segments, cap)[:, old : old + t] = 0.0
-            self.uniform = old + t
+            self.uniform, self._head_bias = old + t, None
         else:
-            idx = (self.start[:, None] + self.length[:, None] + torch.arange(t, device=self.start.device)).reshape(-1)
+            idx = self.start + self.length  # one token: no (S, T) index arithmetic
+            if t > 1:
+                idx = (idx[:, None] + torch.arange(t, device=idx.device)).reshape(-1)
             self.keys[idx] = key.reshape(-1, dim).to(self.keys.dtype)
             self.values[idx] = value.reshape(-1, dim).to(self.values.dtype)
             self.positions[idx] = pos.reshape(-1)
             if self.acc_attention is not None:
                 self.acc_attention[idx] = 0.0
+            if self._head_bias is not None:
+                self._update_head_bias(idx, pos.reshape(-1), t, has_padding)
         self.length = self.length + t
+        self._spare -= t
         self.padding_free = self.padding_free and not has_padding
 
     # ------------------------------------------------------------------ reading
@@ -256,6 +264,27 @@ class VarLenLayer:
             slot = offset[:, None] * BLOCK + torch.arange(BLOCK, device=cap.device)
             self._blocks = (segment, slot)
         return self._blocks
+
+    def head_bias(self) -> torch.Tensor | None:
+        """(H, C) float32 additive mask over the flat buffer: 0 where slot c holds a live, real entry
+        of a segment of KV head h, -inf elsewhere; None when the layout is not block aligned. Built
+        once per layout and kept current by :meth:`append` (the flat decode kernel's mask)."""
+        if self._head_bias is None:
+            table = self.block_table()
+            if table is None:
+                return None
+            segment, slot = table
+            live = (slot < self.length[segment][:, None]).reshape(-1) & (self.positions >= 0)
+            heads = (segment % self.num_heads)[:, None].expand(slot.shape).reshape(-1)
+            bias = torch.full((self.num_heads, live.numel()), float("-inf"), device=live.device)
+            bias[heads[live], live.nonzero().squeeze(1)] = 0.0
+            self._head_bias = bias
+        return self._head_bias
+
+    def _update_head_bias(self, idx: torch.Tensor, pos: torch.Tensor, t: int, has_padding: bool) -> None:
+        """Appended slots ``idx`` (S * T,), segment by segment: live for their own head, padding never."""
+        heads = self._segment_heads if t == 1 else self._segment_heads.repeat_interleave(t)
+        self._head_bias[heads, idx] = torch.where(pos >= 0, 0.0, float("-inf")) if has_padding else 0.0
 
     def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(S, L) flat indices of each segment's slots and a (S, L) bool of live slots, L = max length."""
@@ -360,16 +389,9 @@ class VarLenLayer:
         return slots.view(self.num_rows, self.num_heads).sum(-1) * per_entry + self.num_heads * per_segment
 
     def clone(self) -> VarLenLayer:
-        copy = VarLenLayer(
-            self.keys.clone(),
-            self.values.clone(),
-            self.positions.clone(),
-            self.start.clone(),
-            self.length.clone(),
-            self.capacity.clone(),
-            self.num_rows,
-            self.num_heads,
-        )
-        copy.acc_attention = None if self.acc_attention is None else self.acc_attention.clone()
-        copy.value_norm = None if self.value_norm is None else self.value_norm.clone()
+        tensors = (self.keys, self.values, self.positions, self.start, self.length, self.capacity)
+        copy = VarLenLayer(*(t.clone() for t in tensors), self.num_rows, self.num_heads)
+        for name in ("acc_attention", "value_norm"):
+            old = getattr(self, name)
+            setattr(copy, name, None if old is None else old.clone())
         return copy

@@ -29,10 +29,20 @@ function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
   reduced per segment with ``scatter_reduce`` / ``index_add``. Nothing of the cache is copied, so a
   ragged cache costs what its entries cost. The CPU path after the prefill (question chunks and
   decode steps; uniform caches' decode steps read a dense view with grouped matmuls instead).
+* ``flat`` (:func:`flat_decode_attention`): one new token of a single-row ragged cache. Every query
+  head is multiplied with all slots of the layer's flat buffer in one matmul, and the slots of
+  other KV heads' segments, padding and unused capacity are masked with the store's cached
+  additive :meth:`~pipeline.kv.store.VarLenLayer.head_bias`. That is H_kv times the dot products
+  the segments need, in 4 ops instead of the blocked kernel's ~20: on SmolLM2 (3 KV heads) at one
+  row a layer's step costs what the grouped matmuls over a uniform cache cost, where the blocked
+  kernel costs about 2x. With several rows the waste grows with the rows (all rows' slots), so
+  batches keep the blocked kernel, and so do long single rows (``FLAT_MAX_MASKED``). The CPU
+  default for single-row ragged decode steps (``CRITICALKV_RAGGED_DECODE=flat|blocked`` forces one).
 
 ``choose_kernel`` picks one per call; ``CRITICALKV_VARLEN_KERNEL=reference|sdpa|flash|blocked`` forces
 one (benchmarks, the GPU check). ``dense_decode_kernel`` picks how a decode step reads a uniform
-cache's dense view (``CRITICALKV_DENSE_DECODE=grouped|sdpa`` forces one). The flash path's
+cache's dense view (``CRITICALKV_DENSE_DECODE=grouped|sdpa`` forces one), ``ragged_decode_kernel``
+whether a single-row ragged decode step takes ``flat`` or ``blocked``. The flash path's
 packing is tested on CPU against a plain per-sequence implementation of
 ``flash_attn_varlen_func``'s documented semantics (``tests/kv/test_varlen_kernels.py``).
 """
@@ -50,6 +60,12 @@ KERNEL_ENV = "CRITICALKV_VARLEN_KERNEL"
 KERNELS = ("reference", "sdpa", "flash", "blocked")
 DENSE_ENV = "CRITICALKV_DENSE_DECODE"
 DENSE_KERNELS = ("grouped", "sdpa")
+RAGGED_ENV = "CRITICALKV_RAGGED_DECODE"
+RAGGED_KERNELS = ("flat", "blocked")
+# flat by default while H_kv x slots <= this: on SmolLM2 at cache size 0.2 (2 threads) flat wins at
+# 2K and 4K tokens (1.06x / 1.10x a uniform cache's step against blocked's 1.13x / 1.18x) and ties
+# at 8K (1.15x vs 1.13x, 3 x ~5000 slots), where its H_kv-fold dot products catch up
+FLAT_MAX_MASKED = 12288
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,6 +108,36 @@ def dense_decode_kernel(query: torch.Tensor, kernel: str) -> str:
             raise ValueError(f"{DENSE_ENV}={forced!r}: expected one of {', '.join(DENSE_KERNELS)}")
         return forced
     return "sdpa" if query.is_cuda or kernel == "sdpa" else "grouped"
+
+
+def ragged_decode_kernel(query: torch.Tensor, layer) -> str:
+    """``flat`` or ``blocked`` for a decode step the blocked kernel would take: ``flat`` for one token
+    of a single-row layer of at most ``FLAT_MAX_MASKED`` KV heads x slots, ``blocked`` otherwise;
+    ``$CRITICALKV_RAGGED_DECODE=flat|blocked`` forces one (flat still needs one row and one token)."""
+    forced = os.environ.get(RAGGED_ENV, "").strip().lower()
+    if forced and forced not in RAGGED_KERNELS:
+        raise ValueError(f"{RAGGED_ENV}={forced!r}: expected one of {', '.join(RAGGED_KERNELS)}")
+    if query.shape[0] != 1 or query.shape[2] != 1 or layer.num_rows != 1 or forced == "blocked":
+        return "blocked"
+    small = layer.num_heads * layer.keys.shape[0] <= FLAT_MAX_MASKED
+    return "flat" if small or forced == "flat" else "blocked"
+
+
+def flat_decode_attention(query: torch.Tensor, layer, scaling: float) -> torch.Tensor | None:
+    """One new token of a single-row, block-aligned ``layer`` (its own entry already appended), every
+    query head against the whole flat buffer, masked by ``layer.head_bias()`` to the live entries of
+    its KV head's segment (see the module docstring).
+
+    query: (1, H_q, 1, D). Returns (1, H_q, 1, D), or None when the layout is not block aligned.
+    """
+    bias = layer.head_bias()
+    if bias is None:
+        return None
+    _, h_q, _, dim = query.shape
+    q = query.reshape(h_q, dim).to(layer.keys.dtype)
+    logits = torch.mm(q, layer.keys.T).float().mul_(scaling).view(layer.num_heads, h_q // layer.num_heads, -1)
+    probs = logits.add_(bias[:, None]).softmax(-1).view(h_q, -1)
+    return torch.mm(probs.to(layer.values.dtype), layer.values).view(1, h_q, 1, dim).to(query.dtype)
 
 
 def blocked_attention(query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float) -> torch.Tensor | None:

@@ -14,18 +14,23 @@ import torch
 from pipeline.engine.config import GenerationConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.types import Request
+from pipeline.kv import cache as cache_module
 from pipeline.kv import varlen_kernels
 from pipeline.kv.attention import varlen_attention
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.store import BLOCK, VarLenLayer
 from pipeline.kv.varlen_kernels import (
     DENSE_ENV,
+    FLAT_MAX_MASKED,
     KERNEL_ENV,
+    RAGGED_ENV,
     blocked_attention,
     choose_kernel,
     dense_decode_kernel,
     flash_varlen_attention,
+    flat_decode_attention,
     packed_segments,
+    ragged_decode_kernel,
     sdpa_varlen_attention,
 )
 from tests.tiny import tiny_loaded
@@ -164,6 +169,68 @@ def test_blocked_chunk_equals_the_reference(groups):
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_flat_decode_equals_the_reference_over_many_steps(groups):
+    """One row, ragged segments: a question chunk, decode steps (the cached head mask updated in
+    place by every append), a rollback, more steps; the flat kernel equals the reference each time
+    and its mask equals one built afresh from the layer."""
+    g = torch.Generator().manual_seed(7)
+    h_kv, n, dim = 3, 40, 8
+    keep = torch.rand(1, h_kv, n, generator=g) < torch.tensor([0.2, 0.5, 0.9])[None, :, None]
+    key, value = torch.randn(1, h_kv, n, dim, generator=g), torch.randn(1, h_kv, n, dim, generator=g)
+    layer = VarLenLayer.from_dense(key, value, torch.arange(n)[None], keep)
+    query = torch.randn(1, h_kv * groups, 1, dim, generator=g)
+    assert flat_decode_attention(query, layer, 0.3) is None  # exact-sized: not block aligned
+
+    def append(positions):
+        t = positions.shape[1]
+        layer.append(torch.randn(1, h_kv, t, dim, generator=g), torch.randn(1, h_kv, t, dim, generator=g), positions)
+
+    def step(pos):
+        append(torch.tensor([[pos]]))
+        q = torch.randn(1, h_kv * groups, 1, dim, generator=g)
+        got = flat_decode_attention(q, layer, 0.3)
+        torch.testing.assert_close(got, _reference(layer, q, torch.tensor([[pos]]), 0.3), atol=1e-5, rtol=1e-5)
+        assert torch.equal(layer.head_bias(), layer.clone().head_bias())
+
+    append(torch.arange(n, n + 5)[None])  # the question: grows the layer into blocks
+    snapshot, buffer = layer.length.clone(), layer.keys.data_ptr()
+    for pos in range(n + 5, n + 5 + 2 * BLOCK):  # crosses a block boundary and a re-layout
+        step(pos)
+    layer.truncate(snapshot)
+    for pos in range(n + 5, n + 8):
+        step(pos)
+    assert layer.head_bias().shape == (h_kv, layer.keys.shape[0])
+    assert layer.nbytes() > layer.clone().nbytes()  # the cached mask is counted while it exists
+    assert buffer != layer.keys.data_ptr()  # the decode steps outgrew the first reservation
+
+
+def test_ragged_decode_kernel_choice(monkeypatch):
+    layer, *_ = _layer_and_chunk()  # two rows
+    one_row = VarLenLayer.from_dense(
+        torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.arange(4)[None], torch.ones(1, 2, 4, dtype=torch.bool)
+    )
+    monkeypatch.delenv(RAGGED_ENV, raising=False)
+    assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), one_row) == "flat"
+    assert ragged_decode_kernel(torch.zeros(1, 4, 3, 8), one_row) == "blocked"  # a chunk: causal inside
+    assert ragged_decode_kernel(torch.zeros(2, 4, 1, 8), layer) == "blocked"  # rows: the waste grows
+    long_row = VarLenLayer.from_dense(
+        torch.zeros(1, 2, FLAT_MAX_MASKED, 8),
+        torch.zeros(1, 2, FLAT_MAX_MASKED, 8),
+        torch.arange(FLAT_MAX_MASKED)[None],
+        torch.rand(1, 2, FLAT_MAX_MASKED) < 0.6,
+    )
+    assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), long_row) == "blocked"  # H x slots > the limit
+    monkeypatch.setenv(RAGGED_ENV, "blocked")
+    assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), one_row) == "blocked"
+    monkeypatch.setenv(RAGGED_ENV, "flat")
+    assert ragged_decode_kernel(torch.zeros(2, 4, 1, 8), layer) == "blocked"  # flat needs one row
+    assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), long_row) == "flat"
+    monkeypatch.setenv(RAGGED_ENV, "dense")
+    with pytest.raises(ValueError, match="CRITICALKV_RAGGED_DECODE='dense'"):
+        ragged_decode_kernel(torch.zeros(1, 4, 1, 8), one_row)
+
+
 def test_kernel_choice(monkeypatch):
     q = torch.zeros(1, 2, 1, 4)
     monkeypatch.delenv(KERNEL_ENV, raising=False)
@@ -215,6 +282,33 @@ def test_engine_batches_give_the_same_answers_with_each_kernel(kernel, monkeypat
     monkeypatch.setenv(KERNEL_ENV, kernel)
     monkeypatch.setattr(varlen_kernels, "flash_varlen_function", lambda: naive_flash_varlen)
     assert run() == expected and all(error is None for *_, error in expected)
+
+
+def test_single_row_ragged_decode_answers_alike_with_flat_blocked_and_reference(monkeypatch):
+    """One document at a time (the CPU default), ragged AdaKV budgets, two questions: the flat
+    decode kernel runs and answers exactly as the blocked kernel and the fp32 reference do."""
+    requests = [Request("a", "The quick brown fox jumps over the lazy dog. " * 6, ["Who jumps?", "What dog?"])]
+    config = CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.4, window=4, kernel=3)
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return flat_decode_attention(*args)
+
+    monkeypatch.setattr(cache_module, "flat_decode_attention", counted)
+
+    def run():
+        calls.clear()
+        engine = Engine(tiny_loaded("mistral"), config, GenerationConfig(max_new_tokens=8))
+        return [(a.prediction, a.kv_entries_kept, a.error) for a in engine.generate(requests)], len(calls)
+
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    flat, flat_calls = run()
+    assert flat_calls > 0 and all(error is None for *_, error in flat)
+    monkeypatch.setenv(RAGGED_ENV, "blocked")
+    assert run() == (flat, 0)
+    monkeypatch.setenv(KERNEL_ENV, "reference")
+    assert run() == (flat, 0)
 
 
 @pytest.mark.skipif(
