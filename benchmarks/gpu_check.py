@@ -17,7 +17,8 @@ read) and methods interleaved within each repeat (medians):
 - decode ms/token after that prefill (fixed input token, after warm-up steps): the full cache
   (``none``) against the 20 % caches, and which attention path the decode took
   (``VarLenCache.kernels_used``: ``dense-sdpa`` (``dense-grouped`` on CPU), ``flash``, ``sdpa``,
-  ``blocked`` or ``reference``; force one with ``CRITICALKV_VARLEN_KERNEL``);
+  ``blocked``, ``flat`` (CPU, one ragged row) or ``reference``; force one with
+  ``CRITICALKV_VARLEN_KERNEL``);
 - kept KV bytes (``VarLenCache.nbytes()``, entries plus positions and segment tables) against the
   bytes of a full bf16 cache, and peak memory (``torch.cuda.max_memory_allocated``) during prefill
   and during decode, weights included.
