@@ -28,13 +28,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
-from common import context_ids, load_smollm2  # noqa: E402
+from common import context_ids, load_smollm2, prefill  # noqa: E402
 from roofline import RESULTS_DIR, header, parse_ints, table, write_report  # noqa: E402
 
 from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
-from pipeline.kv.compress import Compressor  # noqa: E402
 from pipeline.kv.config import CompressionConfig  # noqa: E402
-from pipeline.kv.rope import model_rotary  # noqa: E402
 from pipeline.kv.varlen_kernels import RAGGED_ENV  # noqa: E402
 
 RAGGED, UNIFORM = "criticalkv-adakv-snapkv", "snapkv"
@@ -42,12 +40,7 @@ RAGGED, UNIFORM = "criticalkv-adakv-snapkv", "snapkv"
 
 def prefilled(model, method: str, cache_size: float, ids: torch.Tensor, steps: int) -> VarLenCache:
     """A cache holding ``ids`` (1, n) compressed with ``method``, with room for ``2 * steps`` tokens."""
-    cache = VarLenCache(
-        model.config.num_hidden_layers,
-        Compressor(CompressionConfig(method=method, cache_size=cache_size), rotary=model_rotary(model)),
-    )
-    n = ids.shape[1]
-    run_chunk(model, cache, ids, torch.arange(n)[None], logits_to_keep=1)
+    cache = prefill(model, CompressionConfig(method=method, cache_size=cache_size), ids)[1]
     cache.reserve(2 * steps + 2)
     return cache
 

@@ -221,11 +221,11 @@ class VarLenCache(ChunkCache):
             return grouped_decode_attention(query, keys, values, scaling), "dense-grouped"
         if kernel == "flash":
             return flash_varlen_attention(query, layer, scaling), kernel
-        if kernel == "blocked" and ragged_decode_kernel(query, layer) == "flat":
-            out = flat_decode_attention(query, layer, scaling)
-            if out is not None:
-                return out, "flat"
         if kernel == "blocked":
+            if ragged_decode_kernel(query, layer) == "flat":
+                out = flat_decode_attention(query, layer, scaling)
+                if out is not None:
+                    return out, "flat"
             out = blocked_attention(query, layer, self.query_pos, scaling)
             if out is not None:
                 return out, kernel

@@ -275,7 +275,7 @@ class VarLenLayer:
                 return None
             segment, slot = table
             live = (slot < self.length[segment][:, None]).reshape(-1) & (self.positions >= 0)
-            heads = (segment % self.num_heads)[:, None].expand(slot.shape).reshape(-1)
+            heads = self._segment_heads[segment][:, None].expand(slot.shape).reshape(-1)
             bias = torch.full((self.num_heads, live.numel()), float("-inf"), device=live.device)
             bias[heads[live], live.nonzero().squeeze(1)] = 0.0
             self._head_bias = bias

@@ -117,7 +117,7 @@ def ragged_decode_kernel(query: torch.Tensor, layer) -> str:
     forced = os.environ.get(RAGGED_ENV, "").strip().lower()
     if forced and forced not in RAGGED_KERNELS:
         raise ValueError(f"{RAGGED_ENV}={forced!r}: expected one of {', '.join(RAGGED_KERNELS)}")
-    if query.shape[0] != 1 or query.shape[2] != 1 or layer.num_rows != 1 or forced == "blocked":
+    if layer.num_rows != 1 or query.shape[2] != 1 or forced == "blocked":
         return "blocked"
     small = layer.num_heads * layer.keys.shape[0] <= FLAT_MAX_MASKED
     return "flat" if small or forced == "flat" else "blocked"
