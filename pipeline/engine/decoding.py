@@ -16,7 +16,7 @@ import torch
 from .. import hooks
 from ..kv.cache import ChunkCache, VarLenCache, run_chunk
 from .batching import Row, left_pad
-from .fidelity import teacher_forced_nll
+from .fidelity import continuation_nll
 from .memory import now
 
 
@@ -96,30 +96,34 @@ class Decoder:
         logits: torch.Tensor,
         limits: list[int],
         references: list[list[list[int]]] | None = None,
+        own_reference: bool = False,
     ) -> list[list[RoundResult]]:
         """Every question round from one compressed context (rolled back between rounds);
-        ``limits``: each row's max new tokens; ``references`` ([round][row] token ids): also measure
-        each round's fidelity (:mod:`pipeline.engine.fidelity`). Returns [round][row]."""
+        ``limits``: each row's max new tokens. Fidelity (:mod:`pipeline.engine.fidelity`) is measured
+        after each round's answers, of ``references`` ([round][row] token ids) or, with
+        ``own_reference``, of the round's own answers (the full cache's). Returns [round][row]."""
         rounds = max(len(r.question_indices) for r in rows)
+        fidelity = references is not None or own_reference
         cache.snapshot()
         per_round = []
         for r in range(rounds):
             if r > 0:
                 cache.restore()
-            per_round.append(self._answer_round(cache, rows, r, ctx_len, logits, limits))
-        if references is not None:
-            self.measure_fidelity(cache, rows, ctx_len, logits, per_round, references)
+            results, first_logits, mark = self._answer_round(cache, rows, r, ctx_len, logits, limits, fidelity)
+            if fidelity:
+                targets = [x.reference_tokens for x in results] if own_reference else references[r]
+                self._measure_fidelity(cache, mark, results, first_logits, targets, ctx_len)
+            per_round.append(results)
         return per_round
 
-    def measure_fidelity(self, cache, rows, ctx_len, logits, per_round, references) -> None:
-        """Set each round result's ``answer_nll``: the mean NLL of ``references[r][b]`` under ``cache``
-        (which :meth:`answer_rounds` snapshotted at its compressed context)."""
-        for r, results in enumerate(per_round):
-            cache.restore()
-            q_ids = [row.prompt.question_ids[min(r, len(row.prompt.question_ids) - 1)] for row in rows]
-            nll = teacher_forced_nll(self.model, cache, q_ids, references[r], ctx_len, logits, self.pad_id)
-            for result, value in zip(results, nll):
-                result.answer_nll = value
+    def _measure_fidelity(self, cache, mark, results, first_logits, targets, ctx_len) -> None:
+        """Set each result's ``answer_nll``: the mean NLL of ``targets[b]`` after its question, with
+        the cache rolled back to ``mark`` (the end of the question chunk)."""
+        cache.rollback(mark)
+        start = ctx_len.to(self.device) + torch.tensor([x.question_tokens for x in results], device=self.device)
+        nll = continuation_nll(self.model, cache, first_logits, targets, start, self.pad_id)
+        for result, value in zip(results, nll):
+            result.answer_nll = value
 
     def _answer_round(
         self,
@@ -129,8 +133,11 @@ class Decoder:
         ctx_len: torch.Tensor,
         prefill_logits: torch.Tensor,
         limits: list[int],
-    ) -> list[RoundResult]:
-        """Prefill question r of every row (rows without one repeat their last) and decode greedily."""
+        fidelity: bool = False,
+    ) -> tuple[list[RoundResult], torch.Tensor, list | None]:
+        """Prefill question r of every row (rows without one repeat their last) and decode greedily.
+        Also returns the logits that predict each row's first answer token (B, V) and, with
+        ``fidelity``, a checkpoint of the cache at the end of the question."""
         q_ids = [row.prompt.question_ids[min(r, len(row.prompt.question_ids) - 1)] for row in rows]
         q_len = torch.tensor([len(q) for q in q_ids])
         t0 = now(self.device)
@@ -141,11 +148,12 @@ class Decoder:
             cache.reserve(max(limits))
             logits = prefill_logits
         q_s = now(self.device) - t0
+        mark = cache.checkpoint() if fidelity else None
         t1 = now(self.device)
         tokens, stops, steps = self._greedy(cache, logits, (ctx_len + q_len).to(self.device), limits)
         decode_s = now(self.device) - t1
         reserved, used = cache.bytes_per_row().tolist(), cache.used_bytes_per_row().tolist()
-        return [
+        results = [
             RoundResult(
                 text=self._text(tokens[b], stops[b]),
                 generated_tokens=len(tokens[b]) + (1 if len(tokens[b]) < limits[b] else 0),
@@ -160,6 +168,7 @@ class Decoder:
             )
             for b in range(len(rows))
         ]
+        return results, logits, mark
 
     def _text(self, tokens: list[int], stop_id: int | None) -> str:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -6,6 +6,10 @@ log-likelihood of those tokens is returned. A sweep computes it for the full cac
 every compressed setting from the same prefill; the output's ``answer_nll_delta`` is the
 difference (compressed minus full), a low-noise measure of what compression lost even where the
 greedy answers agree (accuracy on a few documents moves in steps of one document).
+
+The question is not prefilled again: the decoder measures right after a round's greedy answer,
+with the cache rolled back to the end of the question, whose last logits predict the first answer
+token; only the answer's tokens but the last are run, as one teacher-forced chunk.
 """
 
 from __future__ import annotations
@@ -16,42 +20,40 @@ from ..kv.cache import VarLenCache, run_chunk
 from .batching import left_pad
 
 
-def teacher_forced_nll(
+def continuation_nll(
     model: torch.nn.Module,
     cache: VarLenCache,
-    question_ids: list[list[int]],
+    first_logits: torch.Tensor,
     targets: list[list[int]],
-    ctx_len: torch.Tensor,
-    prefill_logits: torch.Tensor,
+    start_pos: torch.Tensor,
     pad_id: int,
 ) -> list[float | None]:
-    """Mean NLL per row of ``targets[b]`` after ``question_ids[b]`` (positions after the row's context).
+    """Mean NLL per row of ``targets[b]`` as the continuation of what ``cache`` holds now.
 
-    The cache must hold the compressed context only (the caller restores it); it holds the question
-    and target tokens afterwards. A row without target tokens gets None. prefill_logits: (B, V) the
-    context prefill's last logits (the first target's prediction when a question is empty, i.e.
-    query-aware rows).
+    first_logits: (B, V), each row's prediction of its first target token (the question chunk's
+    last logits; the context's for query-aware rows). The other target tokens but the last are
+    teacher-forced as one left-padded chunk at positions ``start_pos[b], start_pos[b] + 1, ...``
+    (start_pos: (B,), the position after each row's question); the cache holds them afterwards.
+    A row without target tokens gets None.
     """
-    device = prefill_logits.device
-    sequences = [q + t for q, t in zip(question_ids, targets)]
-    if not any(sequences):
-        return [None] * len(targets)
-    ids, pos = left_pad([s if s else [pad_id] for s in sequences], ctx_len, pad_id, device)
-    for b, seq in enumerate(sequences):
-        if not seq:
-            pos[b] = -1
-    keep = max(len(t) for t in targets) + 1
-    logits = run_chunk(model, cache, ids, pos, logits_to_keep=keep).logits.float()  # (B, keep, V)
+    chunks = [t[:-1] for t in targets]
+    width = max((len(c) for c in chunks), default=0)
+    later = None
+    if width:
+        ids, pos = left_pad([c if c else [pad_id] for c in chunks], start_pos, pad_id, first_logits.device)
+        for b, chunk in enumerate(chunks):
+            if not chunk:
+                pos[b] = -1
+        later = run_chunk(model, cache, ids, pos, logits_to_keep=width).logits.float()  # (B, width, V)
     out: list[float | None] = []
-    for b, (q, t) in enumerate(zip(question_ids, targets)):
-        if not t:
+    for b, target in enumerate(targets):
+        if not target:
             out.append(None)
             continue
-        # predictions of t[k] come from the token before it: the last len(t) + 1 positions, minus the last
-        rows = logits[b, keep - len(t) - 1 : keep - 1]
-        if not q:  # the first target is predicted by the context's last position
-            rows = torch.cat([prefill_logits[b : b + 1].float(), logits[b, keep - len(t) : keep - 1]])
-        target = torch.tensor(t, device=device)
-        nll = -torch.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1)
+        rows = first_logits[b : b + 1].float()
+        if len(target) > 1:  # t[k] is predicted at the position of t[k - 1]: the chunk's last len - 1
+            rows = torch.cat([rows, later[b, width - len(target) + 1 :]])
+        ids = torch.tensor(target, device=rows.device)
+        nll = -torch.log_softmax(rows, dim=-1).gather(1, ids[:, None]).squeeze(1)
         out.append(float(nll.mean()))
     return out

@@ -113,12 +113,11 @@ class SweepBatch:
         g, b = len(group), len(self.rows)
         decoder = self.engine.decoder
         refs = None if self.reference is None else [[x.reference_tokens for x in rnd] * g for rnd in self.reference]
+        own = self.reference is None and not self.compressors[group[0]].config.compresses
         per_round = decoder.answer_rounds(
-            cache, self.rows * g, ctx_len.repeat(g), logits.repeat(g, 1), self.limits * g, refs
+            cache, self.rows * g, ctx_len.repeat(g), logits.repeat(g, 1), self.limits * g, refs, own_reference=own
         )
-        if self.reference is None and not self.compressors[group[0]].config.compresses:
-            own = [[x.reference_tokens for x in rnd] for rnd in per_round]
-            decoder.measure_fidelity(cache, self.rows, ctx_len, logits, per_round, own)
+        if own:
             self.reference = per_round
         for j, index in enumerate(group):
             entries, kept_bytes, compress_s = built[j]

@@ -286,21 +286,29 @@ class VarLenCache(ChunkCache):
         self.context_bytes = self.bytes_per_row()
 
     # ------------------------------------------------------------------ multi-question support
+    def checkpoint(self) -> list:
+        """What the cache holds now, for :meth:`rollback`: every layer's segment lengths, or full
+        copies under a decode-time cap (its eviction may reorder entries)."""
+        if self.cap is not None:
+            return [layer.clone() for layer in self.store]
+        return [layer.length.clone() for layer in self.store]
+
+    def rollback(self, mark: list) -> None:
+        """Drop every token appended since :meth:`checkpoint` returned ``mark`` (reusable)."""
+        if self.cap is not None:
+            self.store = [layer.clone() for layer in mark]
+        else:
+            for layer, length in zip(self.store, mark):
+                layer.truncate(length)
+
     def snapshot(self) -> None:
         """Remember the compressed context so that :meth:`restore` can drop a question's tokens."""
-        if self.cap is not None:  # eviction may reorder entries: keep a full copy
-            self._snapshot = [layer.clone() for layer in self.store]
-        else:
-            self._snapshot = [layer.length.clone() for layer in self.store]
+        self._snapshot = self.checkpoint()
 
     def restore(self) -> None:
         if self._snapshot is None:
             raise RuntimeError("restore() without snapshot()")
-        if self.cap is not None:
-            self.store = [layer.clone() for layer in self._snapshot]
-        else:
-            for layer, length in zip(self.store, self._snapshot):
-                layer.truncate(length)
+        self.rollback(self._snapshot)
 
     # ------------------------------------------------------------------ read-back and accounting
     def kept_positions(self, layer_idx: int, row: int, head: int) -> torch.Tensor:

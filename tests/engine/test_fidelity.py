@@ -13,6 +13,7 @@ import torch
 from pipeline.engine.config import GenerationConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.types import Request
+from pipeline.kv.cache import run_chunk
 from pipeline.kv.config import CompressionConfig
 from tests.tiny import DEVICE, tiny_loaded, tiny_model
 
@@ -63,3 +64,56 @@ def test_plain_generation_has_no_fidelity():
     engine = Engine(tiny_loaded(), _settings()[1], GenerationConfig(max_new_tokens=3))
     answer = engine.generate([Request("a", TEXT, ["Who?"])])[0]
     assert answer.answer_nll is None and answer.answer_nll_delta is None
+
+
+def _greedy_reference(plain, ids: list[int], new_tokens: int) -> list[int]:
+    """The full cache's answer as plain transformers generates it, ending EOS (257) included."""
+    x = torch.tensor([ids], device=DEVICE)
+    out = plain.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new_tokens)
+    answer = out[0, len(ids) :].tolist()
+    return answer[: answer.index(257) + 1] if 257 in answer else answer
+
+
+@torch.inference_mode()
+def _one_chunk_nll(engine, plain, cache, context_ids, question_ids, answer) -> float:
+    """Naive reference: question + answer teacher-forced as one chunk over the compressed context
+    alone (batch 1); a query-aware row's first answer token is predicted by the context's last
+    logits, which compression does not change (plain forward)."""
+    seq = question_ids + answer
+    pos = torch.arange(len(context_ids), len(context_ids) + len(seq), device=DEVICE)[None]
+    ids = torch.tensor([seq], device=DEVICE)
+    logits = run_chunk(engine.model, cache, ids, pos, logits_to_keep=len(seq)).logits[0].float()
+    rows = logits[len(question_ids) - 1 : len(seq) - 1]
+    if not question_ids:
+        with torch.inference_mode():
+            first = plain(input_ids=torch.tensor([context_ids], device=DEVICE)).logits[0, -1:].float()
+        rows = torch.cat([first, logits[: len(seq) - 1]])
+    nll = -torch.log_softmax(rows, -1).gather(1, torch.tensor(answer, device=DEVICE)[:, None])
+    return float(nll.mean())
+
+
+@pytest.mark.parametrize("method,query_aware", [("snapkv", False), ("criticalkv-layer-knorm", False), ("snapkv", True)])
+def test_compressed_nll_equals_one_teacher_forced_chunk(method, query_aware):
+    """The sweep measures fidelity after each round's answer, from the end of its question, at batch
+    2 with left padding and several questions; the naive reference runs each question and answer
+    again as one chunk over that setting's cache built alone."""
+    setting = CompressionConfig(method=method, cache_size=0.3, window=4, kernel=3, query_aware=query_aware)
+    full = CompressionConfig(method="none", cache_size=1.0, query_aware=query_aware)
+    engine = Engine(tiny_loaded(), full, GenerationConfig(max_new_tokens=5, batch_size=2))
+    questions = [["Who jumps?"], ["What?"]] if query_aware else [["Who jumps?", "Why?"], ["What?"]]
+    requests = [Request("a", TEXT * 3, questions[0]), Request("b", TEXT * 2, questions[1])]
+    _, swept = engine.generate_sweep(requests, [full, setting])
+    alone = Engine(tiny_loaded(), setting, GenerationConfig(max_new_tokens=5))
+    plain = tiny_model("llama")
+    got = iter(swept)
+    for request in requests:
+        prompt = alone.prompts.encode(request.context, request.questions, request.answer_prefix)
+        cache = alone.compress_context(request)
+        cache.snapshot()
+        for q_ids in prompt.question_ids:
+            context = prompt.context_ids + (q_ids if query_aware else [])
+            question = [] if query_aware else q_ids
+            answer = _greedy_reference(plain, context + question, 5)
+            cache.restore()
+            expected = _one_chunk_nll(alone, plain, cache, context, question, answer)
+            assert next(got).answer_nll == pytest.approx(expected, rel=1e-4, abs=1e-5)
