@@ -181,128 +181,91 @@ def base_score_difference(ours_scores, their_scores, window: int) -> float:
     return worst
 
 
+FAITH_INTRO = (
+    "Same prompt ids (built-in sample text, no chat template), matched settings: window {window}, "
+    "avg-pool kernel {kernel}, first-stage ratio {first_stage_ratio}, "
+    "epsilon {epsilon}, AdaKV safeguard {alpha_safeguard}; "
+    "budget = kvpress's `int(n * {cache_size})` entries per head, given to ours as an absolute budget. "
+    "Both sides load the same weights in the row's dtype (bf16 rows: as on a GPU); "
+    "ours always computes scores and norms in fp32, kvpress in the model dtype. kvpress's kept positions: "
+    "`scores.topk(n_kept)` on the captured press scores (exactly what `ScorerPress.compress` prunes with) for "
+    "uniform presses; the complement of `masked_key_indices` for AdaKV presses (which mask, not prune).\n"
+)
+FAITH_HEADS = [
+    "ours",
+    "kvpress",
+    "model dtype (both)",
+    "tokens",
+    "kept / head",
+    "(layer, head) identical",
+    "mean Jaccard",
+    "min Jaccard",
+    "entries kept by one side only",
+    "max rel. score gap at those entries",
+    "base score max rel. diff",
+]
+READING = (
+    "\nReading the table: *entries kept by one side only* counts both sides' extras "
+    "over all (layer, head) pairs. "
+    "*max rel. score gap* is how far from kvpress's own selection threshold "
+    "(its k-th best final score in that head) "
+    "those entries' kvpress scores lie: ~1e-6 means both sides disagree only on entries "
+    "whose scores tie within fp32 "
+    "rounding (the order of operations differs: kvpress recomputes the window queries from the hidden states and "
+    "divides by sqrt(d) after the matmul; ours reuses the attention's queries); entries marked *in stage 1* are "
+    "CriticalKV stage-1 picks of one side only (a base-score ranking difference). "
+    "*base score max rel. diff* compares "
+    "the raw SnapKV scores of both sides (non-window positions). bf16 rows: kvpress casts the fp32 softmax back to "
+    "bf16 and averages, pools and computes the projected norms (`V @ W_O` and the L1 sum) in bf16, i.e. with 8 "
+    "mantissa bits, so scores closer than ~0.4 % are in arbitrary order; ours scores and norms in fp32 from the "
+    "same bf16 K/V. Structural differences that matched settings do not remove{untouched}"
+    ": (a) kvpress `CriticalAdaKVPress` sets the AdaKV safeguard's top `int(0.2 b)` scores to the dtype max "
+    "before the two CriticalKV stages, so those entries are kept by base score whatever the stage-1 ratio: its "
+    "stage 1 is effectively `max(int(0.5 b_h), int(0.2 b))` entries, ours `max(floor(0.5 b_h), window)`, as the "
+    "paper describes; the two differ only in heads whose AdaKV budget b_h is below 0.4 b (checked head by head "
+    "above where it happens); (b) kvpress gives the window the score max+1 instead of +inf (same effect while "
+    "scores are probabilities); (c) kvpress's `CriticalAdaKVPress` stage 1 may keep fewer entries than the window "
+    "(`int(0.5 b_h)` < window), ours never does; the window's max+1 scores still win kvpress's stage 2."
+)
+
+
 def section_faithfulness(
     out: Report, loaded, side: KvpressSide, lengths, cache_size, dtypes, per_layer: bool, bf16_max_tokens: int
 ) -> None:
+    """Section 1 of ``vs_kvpress.py``: kept positions of ours vs kvpress per (layer, KV head)."""
     from common import context_ids
 
-    tok = loaded.tokenizer
     models = {d: (loaded.model if d == "float32" else load_model_dtype(d)) for d in dtypes}
     out("\n## 1. Faithfulness: kept positions per (layer, KV head), ours vs kvpress\n")
-    out(
-        f"Same prompt ids (built-in sample text, no chat template), matched settings: window {MATCHED['window']}, "
-        f"avg-pool kernel {MATCHED['kernel']}, first-stage ratio {MATCHED['first_stage_ratio']}, "
-        f"epsilon {MATCHED['epsilon']}, AdaKV safeguard {MATCHED['alpha_safeguard']}; "
-        f"budget = kvpress's `int(n * {cache_size})` entries per head, given to ours as an absolute budget. "
-        f"Both sides load the same weights in the row's dtype (bf16 rows: as on a GPU); "
-        f"ours always computes scores and norms in fp32, kvpress in the model dtype. kvpress's kept positions: "
-        f"`scores.topk(n_kept)` on the captured press scores (exactly what `ScorerPress.compress` prunes with) for "
-        f"uniform presses; the complement of `masked_key_indices` for AdaKV presses (which mask, not prune).\n"
-    )
+    out(FAITH_INTRO.format(cache_size=cache_size, **MATCHED))
     rows, detail, unverified = [], [], []
     fp32_all_identical = True
     for n in lengths:
-        ids = context_ids(tok, n)
+        ids = context_ids(loaded.tokenizer, n)
         budget = kvpress_n_kept(n, cache_size)
         if budget < MATCHED["window"]:
             out(f"(skipping {n} tokens: budget {budget} < window {MATCHED['window']})")
             continue
-        ours_by_dtype = {}
         for dtype in dtypes:
             if dtype != "float32" and n > bf16_max_tokens:
                 continue
-            methods = METHODS_UNIFORM + METHODS_HEADWISE if dtype == "float32" else METHODS_UNIFORM
-            capture = capture_prefill(models[dtype], ids, list(methods), budget)
-            ours_by_dtype[dtype] = our_kept(models[dtype], ids, list(methods), budget, capture)
+            methods = list(METHODS_UNIFORM + METHODS_HEADWISE if dtype == "float32" else METHODS_UNIFORM)
+            capture = capture_prefill(models[dtype], ids, methods, budget)
+            ours = our_kept(models[dtype], ids, methods, budget, capture)
             for method in methods:
                 reply = side.request("kept", ids=ids[0].tolist(), press=press_spec(method, cache_size), dtype=dtype)
                 theirs = torch.load(reply["path"])
+                os.unlink(reply["path"])
                 if method in METHODS_UNIFORM and not reply.get("verified_against_cache"):
                     unverified.append(f"{method} {dtype} {n}")
-                os.unlink(reply["path"])
-                ag = agreement(ours_by_dtype[dtype][method]["kept"], theirs["kept"])
-                if dtype == "float32" and ag["identical"] != ag["heads"]:
-                    fp32_all_identical = False
-                gap, stage1 = score_gap_at_differences(
-                    ours_by_dtype[dtype][method]["kept"], theirs["kept"], theirs["final_scores"]
-                )
-                base_diff = base_score_difference(
-                    ours_by_dtype[dtype][method]["base_scores"], theirs["base_scores"], MATCHED["window"]
-                )
-                rows.append(
-                    [
-                        method,
-                        KVPRESS_NAMES[method],
-                        dtype,
-                        n,
-                        budget,
-                        f"{ag['identical']}/{ag['heads']} ({ag['identical'] / ag['heads']:.1%})",
-                        f"{ag['mean_jaccard']:.5f}",
-                        f"{ag['min_jaccard']:.4f}",
-                        ag["differing_entries"],
-                        "-"
-                        if gap is None or not ag["differing_entries"]
-                        else f"{gap:.1e}" + (f" ({stage1} in stage 1)" if stage1 else ""),
-                        f"{base_diff:.1e}",
-                    ]
-                )
+                where = (method, dtype, n, budget)
+                row, ag = _faithfulness_row(where, ours[method], theirs)
+                rows.append(row)
+                fp32_all_identical &= dtype != "float32" or ag["identical"] == ag["heads"]
                 if method == "criticalkv-adakv-snapkv" and ag["identical"] != ag["heads"]:
-                    differing = [
-                        (layer, head)
-                        for layer, (lo, lt) in enumerate(zip(ours_by_dtype[dtype][method]["kept"], theirs["kept"]))
-                        for head, (a, b) in enumerate(zip(lo, lt))
-                        if set(a) != set(b)
-                    ]
-                    checks = [
-                        (kvpress_adakv_rule(capture, layer, head, budget), theirs["kept"][layer][head])
-                        for layer, head in differing
-                    ]
-                    explained = sum(rule == set(kv) for (rule, _, _), kv in checks)
-                    small = sum(hb < 2 * n_safe for (_, hb, n_safe), _ in checks)
-                    n_safe = checks[0][0][2]
-                    detail.append(
-                        f"- {method} vs {KVPRESS_NAMES[method]} ({dtype}, {n} tokens): "
-                        f"the {len(differing)} differing heads have "
-                        f"head budgets {', '.join(str(hb) for (_, hb, _), _ in checks)}; "
-                        f"{small} of them are below 2 x the safeguard ({2 * n_safe}). "
-                        f"Recomputing kvpress's effective rule (its safeguard's top {n_safe} "
-                        f"entries are set to the dtype max before CriticalKV, "
-                        f"so they fill stage 1 and survive stage 2: "
-                        f"stage 1 = max(int(0.5 b_h), {n_safe}) entries by base score, "
-                        f"where ours uses max(floor(0.5 b_h), window)) "
-                        f"reproduces kvpress's selection in {explained} of {len(differing)} of them. "
-                        f"This is a kvpress side effect, not the paper's rule "
-                        f"(a head at the safeguard floor, b_h <= {n_safe}, keeps no entry by criticality in kvpress)."
-                    )
-                if ag["worst"]:
-                    detail.append(
-                        f"- {method} vs {KVPRESS_NAMES[method]} ({dtype}, {n} tokens): lowest-Jaccard (layer, head): "
-                        + ", ".join(f"({layer}, {head}) {j:.3f}" for j, layer, head in ag["worst"])
-                    )
-                if per_layer:
-                    detail.append(
-                        "  - per layer mean Jaccard: "
-                        + ", ".join(f"L{i} {sum(r) / len(r):.3f}" for i, r in enumerate(ag["per_layer"]))
-                    )
-    out(
-        table(
-            [
-                "ours",
-                "kvpress",
-                "model dtype (both)",
-                "tokens",
-                "kept / head",
-                "(layer, head) identical",
-                "mean Jaccard",
-                "min Jaccard",
-                "entries kept by one side only",
-                "max rel. score gap at those entries",
-                "base score max rel. diff",
-            ],
-            rows,
-            "lllrrrrrrrr",
-        )
-    )
+                    detail.append(_adakv_explanation(where, ours[method]["kept"], theirs["kept"], capture))
+                detail += _worst_heads(where, ag, per_layer)
+    out(table(FAITH_HEADS, rows, "lllrrrrrrrr"))
     if detail:
         out("\n" + "\n".join(detail))
     out(
@@ -310,27 +273,72 @@ def section_faithfulness(
         "the K tensors the press returned equal the input keys gathered at those indices in every layer"
         + (f", EXCEPT for: {', '.join(unverified)}." if unverified else ".")
     )
-    out(
-        "\nReading the table: *entries kept by one side only* counts both sides' extras "
-        "over all (layer, head) pairs. "
-        "*max rel. score gap* is how far from kvpress's own selection threshold "
-        "(its k-th best final score in that head) "
-        "those entries' kvpress scores lie: ~1e-6 means both sides disagree only on entries "
-        "whose scores tie within fp32 "
-        "rounding (the order of operations differs: kvpress recomputes the window queries from the hidden states and "
-        "divides by sqrt(d) after the matmul; ours reuses the attention's queries); entries marked *in stage 1* are "
-        "CriticalKV stage-1 picks of one side only (a base-score ranking difference). "
-        "*base score max rel. diff* compares "
-        "the raw SnapKV scores of both sides (non-window positions). bf16 rows: kvpress casts the fp32 softmax back to "
-        "bf16 and averages, pools and computes the projected norms (`V @ W_O` and the L1 sum) in bf16, i.e. with 8 "
-        "mantissa bits, so scores closer than ~0.4 % are in arbitrary order; ours scores and norms in fp32 from the "
-        "same bf16 K/V. Structural differences that matched settings do not remove"
-        + (" (none of them changed a selection in the fp32 rows above)" if fp32_all_identical else "")
-        + ": (a) kvpress `CriticalAdaKVPress` sets the AdaKV safeguard's top `int(0.2 b)` scores to the dtype max "
-        "before the two CriticalKV stages, so those entries are kept by base score whatever the stage-1 ratio: its "
-        "stage 1 is effectively `max(int(0.5 b_h), int(0.2 b))` entries, ours `max(floor(0.5 b_h), window)`, as the "
-        "paper describes; the two differ only in heads whose AdaKV budget b_h is below 0.4 b (checked head by head "
-        "above where it happens); (b) kvpress gives the window the score max+1 instead of +inf (same effect while "
-        "scores are probabilities); (c) kvpress's `CriticalAdaKVPress` stage 1 may keep fewer entries than the window "
-        "(`int(0.5 b_h)` < window), ours never does; the window's max+1 scores still win kvpress's stage 2."
+    untouched = " (none of them changed a selection in the fp32 rows above)" if fp32_all_identical else ""
+    out(READING.format(untouched=untouched))
+
+
+def _faithfulness_row(where: tuple, ours: dict, theirs: dict) -> tuple[list, dict]:
+    """One table row for (method, dtype, tokens, budget), and the agreement it shows."""
+    method, dtype, n, budget = where
+    ag = agreement(ours["kept"], theirs["kept"])
+    gap, stage1 = score_gap_at_differences(ours["kept"], theirs["kept"], theirs["final_scores"])
+    base_diff = base_score_difference(ours["base_scores"], theirs["base_scores"], MATCHED["window"])
+    no_gap = gap is None or not ag["differing_entries"]
+    row = [
+        method,
+        KVPRESS_NAMES[method],
+        dtype,
+        n,
+        budget,
+        f"{ag['identical']}/{ag['heads']} ({ag['identical'] / ag['heads']:.1%})",
+        f"{ag['mean_jaccard']:.5f}",
+        f"{ag['min_jaccard']:.4f}",
+        ag["differing_entries"],
+        "-" if no_gap else f"{gap:.1e}" + (f" ({stage1} in stage 1)" if stage1 else ""),
+        f"{base_diff:.1e}",
+    ]
+    return row, ag
+
+
+def _adakv_explanation(where: tuple, ours_kept, theirs_kept, capture) -> str:
+    """Why CriticalAdaKV heads differ: kvpress's effective stage-1 rule, recomputed head by head."""
+    method, dtype, n, budget = where
+    differing = [
+        (layer, head)
+        for layer, (lo, lt) in enumerate(zip(ours_kept, theirs_kept))
+        for head, (a, b) in enumerate(zip(lo, lt))
+        if set(a) != set(b)
+    ]
+    checks = [(kvpress_adakv_rule(capture, layer, head, budget), theirs_kept[layer][head]) for layer, head in differing]
+    explained = sum(rule == set(kv) for (rule, _, _), kv in checks)
+    small = sum(hb < 2 * n_safe for (_, hb, n_safe), _ in checks)
+    n_safe = checks[0][0][2]
+    return (
+        f"- {method} vs {KVPRESS_NAMES[method]} ({dtype}, {n} tokens): "
+        f"the {len(differing)} differing heads have "
+        f"head budgets {', '.join(str(hb) for (_, hb, _), _ in checks)}; "
+        f"{small} of them are below 2 x the safeguard ({2 * n_safe}). "
+        f"Recomputing kvpress's effective rule (its safeguard's top {n_safe} "
+        f"entries are set to the dtype max before CriticalKV, "
+        f"so they fill stage 1 and survive stage 2: "
+        f"stage 1 = max(int(0.5 b_h), {n_safe}) entries by base score, "
+        f"where ours uses max(floor(0.5 b_h), window)) "
+        f"reproduces kvpress's selection in {explained} of {len(differing)} of them. "
+        f"This is a kvpress side effect, not the paper's rule "
+        f"(a head at the safeguard floor, b_h <= {n_safe}, keeps no entry by criticality in kvpress)."
     )
+
+
+def _worst_heads(where: tuple, ag: dict, per_layer: bool) -> list[str]:
+    """Detail lines: the lowest-Jaccard heads and, with ``per_layer``, every layer's mean."""
+    method, dtype, n, _ = where
+    lines = []
+    if ag["worst"]:
+        lines.append(
+            f"- {method} vs {KVPRESS_NAMES[method]} ({dtype}, {n} tokens): lowest-Jaccard (layer, head): "
+            + ", ".join(f"({layer}, {head}) {j:.3f}" for j, layer, head in ag["worst"])
+        )
+    if per_layer:
+        means = ", ".join(f"L{i} {sum(r) / len(r):.3f}" for i, r in enumerate(ag["per_layer"]))
+        lines.append("  - per layer mean Jaccard: " + means)
+    return lines

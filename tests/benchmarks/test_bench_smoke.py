@@ -15,6 +15,7 @@ for path in (REPO, REPO / "benchmarks"):
 
 import kvpress_common  # noqa: E402
 import kvpress_faithfulness  # noqa: E402
+import kvpress_ours  # noqa: E402
 import roofline  # noqa: E402
 import vs_kvpress  # noqa: E402
 from full_cache_scaling import configs, measure_length  # noqa: E402
@@ -112,12 +113,12 @@ def test_kvpress_adakv_rule_on_tiny_model(tiny):
 
 
 def test_engine_document_run_on_tiny_model(tiny):
-    engine = vs_kvpress.make_engine(tiny, "criticalkv-adakv-snapkv", 0.5, new_tokens=3, batch_size=2)
+    engine = kvpress_ours.make_engine(tiny, "criticalkv-adakv-snapkv", 0.5, new_tokens=3, batch_size=2)
     docs = [roofline.document_of_tokens(tiny.tokenizer, 200, seed=s) for s in (0, 1)]
-    res = vs_kvpress.our_docs_run(engine, docs, new_tokens=3)
+    res = kvpress_ours.our_docs_run(engine, docs, new_tokens=3)
     assert res["total_s"] > 0 and res["decode_ms"] is not None
     assert 0 < res["kv_entries"] < res["kv_entries_full"] and len(res["kv_bytes_each"]) == 2
-    ctx, q = vs_kvpress.encode_for_kvpress(engine, docs[0], 3)
+    ctx, q = kvpress_ours.encode_for_kvpress(engine, docs[0], 3)
     assert len(ctx) == res["context_tokens"][0] and len(q) == res["question_tokens"]
 
 
@@ -127,6 +128,12 @@ def test_scaling_measure_on_tiny_model(tiny):
     assert res["none"]["kv_entries"] == 128 * 2 * tiny.model.config.num_key_value_heads
     assert res["criticalkv-adakv-snapkv"]["kv_bytes"] < res["none"]["kv_bytes"]
     assert all(len(r["decode_ms"]) == 1 for r in res.values())
+
+
+def test_vs_kvpress_arguments_and_defaults():
+    args = vs_kvpress.parse_args(["--sections", "2,3", "--lengths", "512"])
+    assert (args.sections, args.lengths, args.repeats, args.cache_size) == ("2,3", "512", 3, 0.2)
+    assert args.methods.split(",") == ["none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv"]
 
 
 def test_run_all_flag_filter():
