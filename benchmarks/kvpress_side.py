@@ -53,89 +53,22 @@ transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
 import kvpress  # noqa: E402
-from kvpress import (  # noqa: E402
-    AdaKVPress,
-    CriticalAdaKVPress,
-    CriticalKVPress,
-    KVPressTextGenerationPipeline,
-    SnapKVPress,
-)
+from kvpress import KVPressTextGenerationPipeline  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
-
-HEADWISE = ("adakv-snapkv", "criticalkv-adakv-snapkv")
-
-
-def make_press(spec: dict | None):
-    """Press from a spec.
-
-    The spec: {"name", "cache_size", "window", "kernel", "epsilon", "first_stage_ratio", "alpha_safeguard"}.
-    """
-    if spec is None or spec.get("name") in (None, "none"):
-        return None
-    ratio = 1.0 - float(spec["cache_size"])
-    base = SnapKVPress(
-        compression_ratio=ratio, window_size=int(spec.get("window", 64)), kernel_size=int(spec.get("kernel", 5))
-    )
-    name = spec["name"]
-    eps, fsr, alpha = (
-        float(spec.get("epsilon", 1e-4)),
-        float(spec.get("first_stage_ratio", 0.5)),
-        float(spec.get("alpha_safeguard", 0.2)),
-    )
-    if name == "snapkv":
-        return base
-    if name == "criticalkv-snapkv":
-        return CriticalKVPress(base, epsilon=eps, first_stage_ratio=fsr)
-    if name == "adakv-snapkv":
-        return AdaKVPress(base, alpha_safeguard=alpha)
-    if name == "criticalkv-adakv-snapkv":
-        return CriticalAdaKVPress(base, alpha_safeguard=alpha, epsilon=eps, first_stage_ratio=fsr)
-    raise ValueError(f"unknown press {name!r}")
-
-
-def base_press(press):
-    return getattr(press, "press", press)
-
-
-def recording(score_fn, into: dict):
-    """``score_fn`` that also keeps a float copy of each layer's scores in ``into[layer_idx]``."""
-
-    def wrapped(module, *args, **kwargs):
-        scores = score_fn(module, *args, **kwargs)
-        into[module.layer_idx] = scores.detach().float().clone()
-        return scores
-
-    return wrapped
-
-
-def status_bytes(key: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def reset_peak() -> int | None:
-    start = status_bytes("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return None
-    return start
-
-
-def cache_bytes(cache) -> int:
-    """Bytes of the K/V tensors the DynamicCache holds (storage actually allocated)."""
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.untyped_storage().nbytes()
-    return total
+from kvpress_side_tools import (  # noqa: E402
+    HEADWISE,
+    base_press,
+    cache_bytes,
+    capture_pruning,
+    dist_version,
+    make_press,
+    masked_to_kept,
+    null,
+    recording,
+    reset_peak,
+    status_bytes,
+    timed_press,
+)
 
 
 class Side:
@@ -145,6 +78,7 @@ class Side:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model(dtype)
         self.out_dir = Path(tempfile.mkdtemp(prefix="kvpress-side-"))
+        self._pipes: dict[int, KVPressTextGenerationPipeline] = {}
 
     def model(self, dtype: str):
         if dtype not in self.models:
@@ -155,7 +89,7 @@ class Side:
     # ------------------------------------------------------------------ ops
     def op_hello(self, req):
         return {
-            "kvpress": getattr(kvpress, "__version__", None) or _dist_version("kvpress"),
+            "kvpress": getattr(kvpress, "__version__", None) or dist_version("kvpress"),
             "transformers": transformers.__version__,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
@@ -174,131 +108,121 @@ class Side:
         base_scores: dict[int, torch.Tensor] = {}
         inner = base_press(press)
         inner.score = recording(inner.score, base_scores)
-        if spec["name"] not in HEADWISE and inner is not press:
-            press.score = recording(press.score, final_scores)
         pruned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if spec["name"] not in HEADWISE:
-            compress = press.compress
-
-            def capture_compress(module, hidden_states, keys, values, attentions, kwargs):
-                k_out, v_out = compress(module, hidden_states, keys, values, attentions, kwargs)
-                pruned[module.layer_idx] = (keys.detach().clone(), k_out.detach().clone())
-                return k_out, v_out
-
-            press.compress = capture_compress
+            if inner is not press:
+                press.score = recording(press.score, final_scores)
+            capture_pruning(press, pruned)
         cache = DynamicCache()
         with press(model):
             model.model(input_ids=ids, past_key_values=cache)
         if spec["name"] == "snapkv":
             final_scores = base_scores
-        layers = model.model.layers
-        kept = []
-        verified = spec["name"] not in HEADWISE
-        for idx, layer in enumerate(layers):
-            attn = layer.self_attn
-            if spec["name"] in HEADWISE:
-                b_idx, h_idx, s_idx = attn.masked_key_indices
-                heads = cache.layers[idx].keys.shape[1]
-                mask = torch.ones(ids.shape[0], heads, k_len, dtype=torch.bool)
-                mask[b_idx, h_idx, s_idx] = False
-                kept.append([torch.nonzero(mask[0, h]).flatten().tolist() for h in range(heads)])
-                attn.masked_key_indices = None
-            else:
-                # exactly ScorerPress.compress: scores.topk(n_kept, dim=-1).indices
-                idx_full = final_scores[idx].topk(n_kept, dim=-1).indices
-                keys_in, keys_out = pruned[idx]
-                gathered = keys_in.gather(2, idx_full.unsqueeze(-1).expand(-1, -1, -1, keys_in.shape[-1]))
-                verified = verified and torch.equal(gathered, keys_out)  # the cache holds exactly these entries
-                kept.append([sorted(row.tolist()) for row in idx_full[0]])
+        if spec["name"] in HEADWISE:
+            kept, verified = self._masked_kept(model, cache, k_len), False
+        else:
+            kept, verified = self._pruned_kept(final_scores, pruned, n_kept)
         path = self.out_dir / f"kept-{time.time_ns()}.pt"
+        layers = range(len(model.model.layers))
         torch.save(
             {
                 "kept": kept,
-                "base_scores": [base_scores[i][0] for i in range(len(layers))],
-                "final_scores": [final_scores[i][0] for i in range(len(layers))] if final_scores else None,
+                "base_scores": [base_scores[i][0] for i in layers],
+                "final_scores": [final_scores[i][0] for i in layers] if final_scores else None,
             },
             path,
         )
         return {"path": str(path), "n_kept": n_kept, "k_len": k_len, "verified_against_cache": verified}
 
+    @staticmethod
+    def _masked_kept(model, cache, k_len: int) -> list[list[list[int]]]:
+        """Head-wise presses mask: the kept positions are the complement of ``masked_key_indices``."""
+        kept = []
+        for idx, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            b_idx, h_idx, s_idx = attn.masked_key_indices
+            heads = cache.layers[idx].keys.shape[1]
+            mask = torch.ones(1, heads, k_len, dtype=torch.bool)
+            mask[b_idx, h_idx, s_idx] = False
+            kept.append([torch.nonzero(mask[0, h]).flatten().tolist() for h in range(heads)])
+            attn.masked_key_indices = None
+        return kept
+
+    @staticmethod
+    def _pruned_kept(final_scores: dict, pruned: dict, n_kept: int) -> tuple[list, bool]:
+        """Uniform presses prune exactly as ``ScorerPress.compress``: ``scores.topk(n_kept)``; also
+        whether the cache holds exactly the keys at those indices in every layer."""
+        kept, verified = [], True
+        for idx in range(len(pruned)):
+            top = final_scores[idx].topk(n_kept, dim=-1).indices
+            keys_in, keys_out = pruned[idx]
+            gathered = keys_in.gather(2, top.unsqueeze(-1).expand(-1, -1, -1, keys_in.shape[-1]))
+            verified = verified and torch.equal(gathered, keys_out)
+            kept.append([sorted(row.tolist()) for row in top[0]])
+        return kept, verified
+
     @torch.inference_mode()
     def op_doc(self, req):
         model = self.model(req.get("dtype", "float32"))
-        pipe = self._pipeline(model)
         ctx = torch.tensor([req["context_ids"]])
-        question = torch.tensor([req["question_ids"]])
         max_new = int(req["max_new_tokens"])
         press = make_press(req.get("press"))
         hook_s = {"compress": 0.0, "norm": 0.0}
-        restore = []
-        if press is not None:
-            original_hook = press.forward_hook
-
-            def timed_hook(*args, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return original_hook(*args, **kwargs)
-                finally:
-                    hook_s["compress"] += time.perf_counter() - t
-
-            press.forward_hook = timed_hook  # looked up by BasePress.__call__ when registering hooks
-            original_norm = CriticalKVPress.vwl1norm
-
-            def timed_norm(values, module):
-                t = time.perf_counter()
-                try:
-                    return original_norm(values, module)
-                finally:
-                    hook_s["norm"] += time.perf_counter() - t
-
-            CriticalKVPress.vwl1norm = staticmethod(timed_norm)
-            restore.append(lambda: setattr(CriticalKVPress, "vwl1norm", staticmethod(original_norm)))
-        first_call_end = []
-
-        def after_forward(module, args, kwargs, output):
-            if not first_call_end:
-                first_call_end.append(time.perf_counter())
-
+        restore = timed_press(press, hook_s) if press is not None else []
         eos = model.generation_config.eos_token_id
         model.generation_config.eos_token_id = []  # never stop early: exactly max_new tokens
         start_rss = reset_peak()
         try:
-            t0 = time.perf_counter()
-            # --- KVPressTextGenerationPipeline._forward, one question ---
-            cache = DynamicCache()
-            with press(model) if press is not None else _null():
-                model.model(input_ids=ctx, past_key_values=cache)
-            t1 = time.perf_counter()
-            held = cache_bytes(cache)
-            kept_entries = self._kept_entries(model, cache, ctx.shape[1])
-            handle = model.register_forward_hook(after_forward, with_kwargs=True)
-            try:
-                answer = pipe.generate_answer(
-                    question_ids=question, cache=cache, context_length=ctx.shape[1], max_new_tokens=max_new
-                )
-            finally:
-                handle.remove()
-            t2 = time.perf_counter()
+            times, held, kept_entries, cache, answer = self._run_doc(model, press, ctx, req, max_new)
         finally:
             model.generation_config.eos_token_id = eos
             for fn in restore:
                 fn()
         peak = status_bytes("VmHWM")
-        steps = max_new - 1
+        t0, t1, first_end, t2 = times
         return {
             "total_s": t2 - t0,
             "prefill_s": t1 - t0,
             "compress_s": hook_s["compress"],
             "norm_s": hook_s["norm"],
-            "question_s": first_call_end[0] - t1 if first_call_end else None,
-            "decode_s": (t2 - first_call_end[0]) if first_call_end else None,
-            "decode_steps": steps,
+            "question_s": first_end - t1 if first_end else None,
+            "decode_s": (t2 - first_end) if first_end else None,
+            "decode_steps": max_new - 1,
             "cache_bytes": held,
             "kv_entries_kept": kept_entries,
             "kv_entries_full": ctx.shape[1] * len(cache.layers) * cache.layers[0].keys.shape[1],
             "peak_rss_delta": max(0, peak - start_rss) if (peak is not None and start_rss is not None) else None,
             "answer": answer,
         }
+
+    def _run_doc(self, model, press, ctx, req, max_new: int) -> tuple:
+        """``KVPressTextGenerationPipeline._forward`` for one question: (times (start, prefilled,
+        end of the question's forward, end), bytes held, entries kept, cache, answer)."""
+        first_call_end = []
+
+        def after_forward(module, args, kwargs, output):
+            if not first_call_end:
+                first_call_end.append(time.perf_counter())
+
+        t0 = time.perf_counter()
+        cache = DynamicCache()
+        with press(model) if press is not None else null():
+            model.model(input_ids=ctx, past_key_values=cache)
+        t1 = time.perf_counter()
+        held = cache_bytes(cache)
+        kept_entries = self._kept_entries(model, cache, ctx.shape[1])
+        handle = model.register_forward_hook(after_forward, with_kwargs=True)
+        try:
+            answer = self._pipeline(model).generate_answer(
+                question_ids=torch.tensor([req["question_ids"]]),
+                cache=cache,
+                context_length=ctx.shape[1],
+                max_new_tokens=max_new,
+            )
+        finally:
+            handle.remove()
+        times = (t0, t1, first_call_end[0] if first_call_end else None, time.perf_counter())
+        return times, held, kept_entries, cache, answer
 
     @torch.inference_mode()
     def op_batch_try(self, req):
@@ -318,9 +242,8 @@ class Side:
             result.update(ran=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             return result
         # compare row 0's selection with row 0 alone
-        kept_batch = (
-            _masked_to_kept(batched, 0, ids.shape[1], cache.layers[0].keys.shape[1]) if batched[0] is not None else None
-        )
+        heads = cache.layers[0].keys.shape[1]
+        kept_batch = masked_to_kept(batched, 0, ids.shape[1], heads) if batched[0] is not None else None
         alone = self.op_kept({"ids": rows[0], "press": spec, "dtype": req.get("dtype", "float32")})
         kept_alone = torch.load(alone["path"])["kept"]
         result["row0_same_as_alone"] = kept_batch == kept_alone if kept_batch is not None else None
@@ -337,8 +260,6 @@ class Side:
     # ------------------------------------------------------------------ helpers
     def _pipeline(self, model):
         key = id(model)
-        if not hasattr(self, "_pipes"):
-            self._pipes = {}
         if key not in self._pipes:
             self._pipes[key] = KVPressTextGenerationPipeline(
                 model=model, tokenizer=self.tokenizer, device=torch.device("cpu")
@@ -354,33 +275,6 @@ class Side:
             masked = getattr(layer.self_attn, "masked_key_indices", None)
             total += heads * length - (len(masked[0]) if masked is not None else 0)
         return total
-
-
-def _masked_to_kept(masked_per_layer, row: int, k_len: int, heads: int):
-    kept = []
-    for masked in masked_per_layer:
-        b_idx, h_idx, s_idx = masked
-        mask = torch.ones(int(b_idx.max()) + 1 if len(b_idx) else row + 1, heads, k_len, dtype=torch.bool)
-        mask[b_idx, h_idx, s_idx] = False
-        kept.append([torch.nonzero(mask[row, h]).flatten().tolist() for h in range(heads)])
-    return kept
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _dist_version(name: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:
-        return None
 
 
 def main() -> None:
