@@ -44,7 +44,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_check_report import markdown  # noqa: E402
 
 from pipeline.kv.attention import register  # noqa: E402
 from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
@@ -188,127 +191,139 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------ the run
-def run(args) -> dict:
-    t_start = time.monotonic()
-    device = torch.device(args.device)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
-    shape = SMOKE if args.smoke else LLAMA_31_8B
-    torch.manual_seed(0)
-    t0 = time.monotonic()
-    model = build_model(shape, device, dtype)
-    sync(device)
-    init_s = time.monotonic() - t0
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    lengths = [int(x) for x in args.lengths.split(",")]
-    compressors = {m: Compressor(compression(m, args.cache_size)) for m in METHODS}
-    gen = torch.Generator(device=device).manual_seed(1)
-    rows = []
+class Check:
+    """One run: the model, the per-method compressors, the time budget and the warnings."""
 
-    def over_budget() -> bool:
-        return time.monotonic() - t_start > args.budget_s
+    def __init__(self, args) -> None:
+        self.args, self.t_start = args, time.monotonic()
+        self.device = torch.device(args.device)
+        self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+        self.shape = SMOKE if args.smoke else LLAMA_31_8B
+        torch.manual_seed(0)
+        t0 = time.monotonic()
+        self.model = build_model(self.shape, self.device, self.dtype)
+        sync(self.device)
+        self.init_s = time.monotonic() - t0
+        self.compressors = {m: Compressor(compression(m, args.cache_size)) for m in METHODS}
+        self.gen = torch.Generator(device=self.device).manual_seed(1)
+        self.warnings: list[str] = []
 
-    warnings = []
+    def over_budget(self) -> bool:
+        return time.monotonic() - self.t_start > self.args.budget_s
 
-    def warm_up(what: str, fn) -> None:
+    def warm_up(self, what: str, fn) -> None:
         """Untimed runs that pay one-off costs; a failure here is noted, the timed cells report it."""
         try:
             fn()
         except Exception as exc:  # noqa: BLE001
-            warnings.append(f"warm-up {what}: {type(exc).__name__}: {str(exc)[:160]}")
+            self.warnings.append(f"warm-up {what}: {type(exc).__name__}: {str(exc)[:160]}")
         finally:
-            free(device)
+            free(self.device)
 
-    # warm-up: kernels, cuBLAS handles, the projection caches of the compressors
-    warm = torch.randint(0, model.config.vocab_size, (1, min(512, min(lengths))), device=device, generator=gen)
-    for m in METHODS:
+    def random_ids(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.model.config.vocab_size, (1, n), device=self.device, generator=self.gen)
 
-        def short_run(m=m):
-            _, cache = prefill(model, compressors[m], warm)
-            decode_ms_per_token(model, cache, warm.shape[1], 1, 1, device)
+    def warm_up_methods(self, n: int) -> None:
+        """Kernels, cuBLAS handles, the projection caches of the compressors."""
+        warm = self.random_ids(n)
+        for m in METHODS:
 
-        warm_up(f"{m} at {warm.shape[1]} tokens", short_run)
+            def short_run(m=m):
+                _, cache = prefill(self.model, self.compressors[m], warm)
+                decode_ms_per_token(self.model, cache, warm.shape[1], 1, 1, self.device)
 
-    for n in lengths:
-        ids = torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=gen)
-        if not over_budget():  # first prefill at a new length pays one-off costs (allocator growth, kernel choice)
-            warm_up(f"snapkv at {n} tokens", lambda ids=ids: prefill(model, compressors["snapkv"], ids))
-        cell = {
-            m: {
-                "tokens": n,
-                "method": m,
-                "cache": "full" if m == "none" else f"{args.cache_size:.0%}",
-                "prefill_s": [],
-                "compress_s": [],
-                "status": "ok",
-            }
+            self.warm_up(f"{m} at {warm.shape[1]} tokens", short_run)
+
+    def measure_length(self, n: int) -> list[dict]:
+        """Every method at ``n`` tokens, interleaved over the repeats; one cell (row) per method."""
+        ids = self.random_ids(n)
+        if not self.over_budget():  # first prefill at a new length pays one-off costs (allocator, kernel choice)
+            self.warm_up(f"snapkv at {n} tokens", lambda ids=ids: prefill(self.model, self.compressors["snapkv"], ids))
+        cache_label = f"{self.args.cache_size:.0%}"
+        cells = {
+            m: {"tokens": n, "method": m, "cache": "full" if m == "none" else cache_label}
+            | {"prefill_s": [], "compress_s": [], "status": "ok"}
             for m in METHODS
         }
-        for r in range(args.repeats):
+        for r in range(self.args.repeats):
             for m in METHODS:
-                c = cell[m]
-                if c["status"] != "ok":
+                if cells[m]["status"] != "ok":
                     continue
-                if over_budget():
-                    c["status"] = "skipped (time budget)"
+                if self.over_budget():
+                    cells[m]["status"] = "skipped (time budget)"
                     continue
-                cache = None
-                try:
-                    free(device)
-                    reset_peak(device)
-                    seconds, cache = prefill(model, compressors[m], ids)
-                    c["prefill_s"].append(seconds)
-                    c["compress_s"].append(cache.compress_seconds)
-                    c["peak_prefill"] = max(c.get("peak_prefill") or 0, peak_bytes(device) or 0) or None
-                    c["kept_bytes"] = int(cache.nbytes())
-                    c["full_bytes"] = full_kv_bytes(model.config, n, dtype)
-                    if r == args.repeats - 1 and not over_budget():
-                        reset_peak(device)
-                        c["decode_ms"] = decode_ms_per_token(
-                            model, cache, n, args.decode_steps, args.decode_warmup, device
-                        )
-                        c["peak_decode"] = peak_bytes(device)
-                        c["kernel"] = ",".join(sorted(cache.kernels_used))
-                except Exception as exc:
-                    c["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
-                    if not _is_oom(exc) and args.raise_errors:
-                        raise
-                finally:
-                    del cache
-                    free(device)
-        for m in METHODS:
-            c = cell[m]
+                self.measure_cell(cells[m], ids, last=r == self.args.repeats - 1)
+        for c in cells.values():
             c["prefill_median_s"] = statistics.median(c["prefill_s"]) if c["prefill_s"] else None
             c["compress_median_s"] = statistics.median(c["compress_s"]) if c["compress_s"] else None
-            rows.append(c)
         del ids
-        free(device)
+        free(self.device)
+        return list(cells.values())
 
-    info = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "dtype": args.dtype,
-        "smoke": args.smoke,
-        "model": "random Llama-3.1-8B shape" if not args.smoke else "random tiny Llama (smoke)",
-        "shape": shape,
-        "weights_bytes": weights,
-        "init_s": init_s,
-        "repeats": args.repeats,
-        "decode_steps": args.decode_steps,
-        "cache_size": args.cache_size,
-        "elapsed_s": time.monotonic() - t_start,
-        "flash_attn": _flash_attn_version(),
-        "warnings": warnings,
-    }
-    try:
-        import transformers
+    def measure_cell(self, c: dict, ids: torch.Tensor, last: bool) -> None:
+        """One prefill of ``c``'s method (and, on the ``last`` repeat, its decode); failures set its status."""
+        device, cache = self.device, None
+        try:
+            free(device)
+            reset_peak(device)
+            seconds, cache = prefill(self.model, self.compressors[c["method"]], ids)
+            c["prefill_s"].append(seconds)
+            c["compress_s"].append(cache.compress_seconds)
+            c["peak_prefill"] = max(c.get("peak_prefill") or 0, peak_bytes(device) or 0) or None
+            c["kept_bytes"] = int(cache.nbytes())
+            c["full_bytes"] = full_kv_bytes(self.model.config, ids.shape[1], self.dtype)
+            if last and not self.over_budget():
+                reset_peak(device)
+                args = self.args
+                c["decode_ms"] = decode_ms_per_token(
+                    self.model, cache, ids.shape[1], args.decode_steps, args.decode_warmup, device
+                )
+                c["peak_decode"] = peak_bytes(device)
+                c["kernel"] = ",".join(sorted(cache.kernels_used))
+        except Exception as exc:
+            c["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
+            if not _is_oom(exc) and self.args.raise_errors:
+                raise
+        finally:
+            del cache
+            free(device)
 
-        info["transformers"] = transformers.__version__
-    except Exception:  # noqa: BLE001
-        pass
-    return {"info": info, "rows": rows}
+    def info(self) -> dict:
+        args, device = self.args, self.device
+        info = {
+            "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "dtype": args.dtype,
+            "smoke": args.smoke,
+            "model": "random Llama-3.1-8B shape" if not args.smoke else "random tiny Llama (smoke)",
+            "shape": self.shape,
+            "weights_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "init_s": self.init_s,
+            "repeats": args.repeats,
+            "decode_steps": args.decode_steps,
+            "cache_size": args.cache_size,
+            "elapsed_s": time.monotonic() - self.t_start,
+            "flash_attn": _flash_attn_version(),
+            "warnings": self.warnings,
+        }
+        with contextlib.suppress(Exception):
+            import transformers
+
+            info["transformers"] = transformers.__version__
+        return info
+
+
+def run(args) -> dict:
+    check = Check(args)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    check.warm_up_methods(min(512, min(lengths)))
+    rows = []
+    for n in lengths:
+        rows += check.measure_length(n)
+    return {"info": check.info(), "rows": rows}
 
 
 def _flash_attn_version() -> str | None:
@@ -318,60 +333,6 @@ def _flash_attn_version() -> str | None:
         return getattr(flash_attn, "__version__", "installed")
     except Exception:  # noqa: BLE001
         return None
-
-
-# ------------------------------------------------------------------ output
-def _gib(b) -> str:
-    return "n/a" if not b else f"{b / 2**30:.2f}"
-
-
-def _num(value, fmt: str) -> str:
-    return "—" if value is None else format(value, fmt)
-
-
-def markdown(result: dict) -> str:
-    info, rows = result["info"], result["rows"]
-    by = {(r["tokens"], r["method"]): r for r in rows}
-    lines = [
-        f"GPU check: {info['model']} ({info['weights_bytes'] / 2**30:.1f} GiB {info['dtype']} weights, "
-        f"init {info['init_s']:.1f} s) "
-        f"on {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), transformers {info.get('transformers')}, "
-        f"flash-attn {info['flash_attn'] or 'not installed'}; medians of {info['repeats']} interleaved prefills, "
-        f"decode median of {info['decode_steps']} steps; total {info['elapsed_s']:.0f} s.",
-        "",
-        "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | "
-        "decode kernel | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | status |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        snap = by.get((r["tokens"], "snapkv"), {})
-        full = by.get((r["tokens"], "none"), {})
-        p = r.get("prefill_median_s")
-        ratio = f"{p / snap['prefill_median_s']:.3f}" if p and snap.get("prefill_median_s") else "—"
-        d = r.get("decode_ms")
-        dratio = f"{d / full['decode_ms']:.3f}" if d and full.get("decode_ms") else "—"
-        kept = r.get("kept_bytes")
-        kept_ratio = f"{kept / r['full_bytes']:.4f}" if kept and r.get("full_bytes") else "—"
-        compress = r.get("compress_median_s")
-        cells = [
-            str(r["tokens"]),
-            r["method"],
-            r["cache"],
-            _num(p, ".3f"),
-            ratio,
-            _num(compress, ".3f"),
-            _num(d, ".1f"),
-            dratio,
-            r.get("kernel") or "—",
-            _num(kept / 2**20 if kept else None, ".1f"),
-            kept_ratio,
-            _gib(r.get("peak_prefill")),
-            _gib(r.get("peak_decode")),
-            r["status"],
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [f"\nwarning: {w}" for w in info.get("warnings") or []]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
