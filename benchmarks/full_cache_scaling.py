@@ -120,7 +120,7 @@ def plot(path: Path, lengths: list[int], data: dict, bounds: dict, kv: dict) -> 
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="1024,2048,4096,8192")
     p.add_argument("--repeats", type=int, default=3, help="interleaved decode runs per length")
@@ -131,8 +131,11 @@ def main(argv: list[str] | None = None) -> None:
         "--out", default=str(RESULTS_DIR / "full_cache_scaling.md"), help="also write the Markdown here ('' = don't)"
     )
     p.add_argument("--plot", default=str(RESULTS_DIR / "full_cache_scaling.png"), help="PNG path ('' = none)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     from common import context_ids, load_smollm2
 
     lines: list[str] = []
@@ -153,91 +156,18 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for n in lengths:
         results[n] = measure_length(model, context_ids(tok, n), cfgs, args.repeats, prefill_repeats, args.decode_steps)
-
     limits = measure_limits().best(limits)  # best of start and end of the run
-    full_bytes = {n: n * shape.layers * shape.kv_heads * shape.kv_entry_bytes_fp32 for n in lengths}
     emit(
         f"\nLibrary defaults for {COMPRESSED} (window 32, max-pool 7, alpha 0.5, eps 1e-4, safeguard 0.2), fp32, "
         f"{args.decode_steps} decode steps per run; decode medians over {args.repeats} interleaved runs, prefill over "
         f"{prefill_repeats}. Bound: see section 'limits' below.\n"
     )
-    rows = []
-    dec, bnd, kvb = {k: [] for k in cfgs}, {k: [] for k in cfgs}, {k: [] for k in cfgs}
-    for n in lengths:
-        for name in cfgs:
-            r = results[n][name]
-            ms = median(r["decode_ms"])
-            entries = r["kv_entries"] + shape.layers * shape.kv_heads * args.decode_steps / 2
-            bound, nbytes, _ = decode_bound_s(shape, entries, limits)
-            dec[name].append(ms)
-            bnd[name].append(1000 * bound)
-            kvb[name].append(r["kv_bytes"])
-            full_ms = median(results[n]["none"]["decode_ms"])
-            rows.append(
-                [
-                    n,
-                    name,
-                    fmt_bytes(r["kv_bytes"]),
-                    f"{r['kv_bytes'] / full_bytes[n]:.3f}",
-                    f"{median(r['prefill_s']):.2f}",
-                    f"{median(r['compress_s']):.3f}" if name != "none" else "-",
-                    fmt_bytes(median(r["peak_rss"])) if median(r["peak_rss"]) == median(r["peak_rss"]) else "n/a",
-                    f"{ms:.1f}",
-                    fmt_ratio(ms, full_ms),
-                    f"{1000 * bound:.1f}",
-                    f"{1000 * bound / ms:.0%}",
-                ]
-            )
-    emit(
-        table(
-            [
-                "tokens",
-                "cache",
-                "KV held",
-                "KV / full fp32",
-                "prefill s",
-                "compress s",
-                "peak RSS delta",
-                "decode ms/token",
-                "decode / full",
-                "bound ms",
-                "achieved",
-            ],
-            rows,
-            "rlrrrrrrrrr",
-        )
-    )
-
-    emit(f"\nGrowth relative to {lengths[0]} tokens (x):\n")
-    rows = []
-    for i, n in enumerate(lengths):
-        row = [n, f"{n / lengths[0]:.0f}"]
-        for name in cfgs:
-            row += [fmt_ratio(dec[name][i], dec[name][0]), fmt_ratio(kvb[name][i], kvb[name][0])]
-        rows.append(row)
-    emit(
-        table(
-            ["tokens", "context x", "full: decode x", "full: KV x", f"{COMPRESSED}: decode x", f"{COMPRESSED}: KV x"],
-            rows,
-            "rrrrrr",
-        )
-    )
-    emit("\n### limits\n")
-    emit(table(["limit", "measured", "how"], limits.rows(), "lrl"))
-    emit("\n(Limits: best of a measurement at the start and one at the end of this run.)")
-    growth = []
-    for name in cfgs:
-        growth.append(
-            f"{name}: bound x{bnd[name][-1] / bnd[name][0]:.2f}, measured x{dec[name][-1] / dec[name][0]:.2f}"
-        )
-    emit(
-        f"\nDecode bound = max(bytes / {limits.bandwidth_gbs:.1f} GB/s, FLOPs / {limits.matmul_gflops:.0f} GFLOP/s), "
-        f"bytes = weights ({fmt_bytes(shape.weight_bytes)}, tied embedding once) + KV entries attended "
-        f"(kept context + half the decoded steps) x {shape.kv_entry_bytes_fp32} B. "
-        f"From {lengths[0]} to {lengths[-1]} tokens: " + "; ".join(growth) + "."
-    )
+    rows, series = results_rows(results, lengths, list(cfgs), shape, limits, args.decode_steps)
+    heads = ["tokens", "cache", "KV held", "KV / full fp32", "prefill s", "compress s", "peak RSS delta"]
+    emit(table(heads + ["decode ms/token", "decode / full", "bound ms", "achieved"], rows, "rlrrrrrrrrr"))
+    emit_growth(emit, lengths, list(cfgs), series, shape, limits)
     if args.plot:
-        path = plot(Path(args.plot), lengths, dec, bnd, kvb)
+        path = plot(Path(args.plot), lengths, *series)
         if path:
             emit(f"\n![decode and KV vs context]({path.name})")
     if args.out:
@@ -245,6 +175,67 @@ def main(argv: list[str] | None = None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(lines) + "\n")
         print(f"\n(written to {out})", file=sys.stderr)
+
+
+def results_rows(results: dict, lengths, names, shape, limits, decode_steps: int) -> tuple[list, tuple]:
+    """The main table's rows, and per config the series (decode ms, bound ms, KV bytes) over lengths."""
+    rows = []
+    dec, bnd, kvb = {k: [] for k in names}, {k: [] for k in names}, {k: [] for k in names}
+    for n in lengths:
+        full_bytes = n * shape.layers * shape.kv_heads * shape.kv_entry_bytes_fp32
+        full_ms = median(results[n]["none"]["decode_ms"])
+        for name in names:
+            r = results[n][name]
+            ms = median(r["decode_ms"])
+            entries = r["kv_entries"] + shape.layers * shape.kv_heads * decode_steps / 2
+            bound, _, _ = decode_bound_s(shape, entries, limits)
+            dec[name].append(ms)
+            bnd[name].append(1000 * bound)
+            kvb[name].append(r["kv_bytes"])
+            rss = median(r["peak_rss"])
+            rows.append(
+                [
+                    n,
+                    name,
+                    fmt_bytes(r["kv_bytes"]),
+                    f"{r['kv_bytes'] / full_bytes:.3f}",
+                    f"{median(r['prefill_s']):.2f}",
+                    f"{median(r['compress_s']):.3f}" if name != "none" else "-",
+                    fmt_bytes(rss) if rss == rss else "n/a",
+                    f"{ms:.1f}",
+                    fmt_ratio(ms, full_ms),
+                    f"{1000 * bound:.1f}",
+                    f"{1000 * bound / ms:.0%}",
+                ]
+            )
+    return rows, (dec, bnd, kvb)
+
+
+def emit_growth(emit, lengths, names, series, shape, limits) -> None:
+    """Growth relative to the shortest length, the limits table, and the bound's definition."""
+    dec, bnd, kvb = series
+    emit(f"\nGrowth relative to {lengths[0]} tokens (x):\n")
+    rows = []
+    for i, n in enumerate(lengths):
+        row = [n, f"{n / lengths[0]:.0f}"]
+        for name in names:
+            row += [fmt_ratio(dec[name][i], dec[name][0]), fmt_ratio(kvb[name][i], kvb[name][0])]
+        rows.append(row)
+    heads = ["tokens", "context x", "full: decode x", "full: KV x", f"{COMPRESSED}: decode x", f"{COMPRESSED}: KV x"]
+    emit(table(heads, rows, "rrrrrr"))
+    emit("\n### limits\n")
+    emit(table(["limit", "measured", "how"], limits.rows(), "lrl"))
+    emit("\n(Limits: best of a measurement at the start and one at the end of this run.)")
+    growth = [
+        f"{name}: bound x{bnd[name][-1] / bnd[name][0]:.2f}, measured x{dec[name][-1] / dec[name][0]:.2f}"
+        for name in names
+    ]
+    emit(
+        f"\nDecode bound = max(bytes / {limits.bandwidth_gbs:.1f} GB/s, FLOPs / {limits.matmul_gflops:.0f} GFLOP/s), "
+        f"bytes = weights ({fmt_bytes(shape.weight_bytes)}, tied embedding once) + KV entries attended "
+        f"(kept context + half the decoded steps) x {shape.kv_entry_bytes_fp32} B. "
+        f"From {lengths[0]} to {lengths[-1]} tokens: " + "; ".join(growth) + "."
+    )
 
 
 def warm_up(model, cfgs: dict, tok) -> None:
