@@ -34,19 +34,28 @@ def main() -> None:
     loaded = load_smollm2()
     model, tok = loaded.model, loaded.tokenizer
     print(f"machine: {machine()}")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    prefill_times(model, tok, lengths, args.repeats)
+    n = max(lengths)
+    ids = context_ids(tok, n)
+    kept_bytes(model, ids)
+    decode_times(model, ids, args.repeats, args.decode_steps)
 
-    print("\n## Prefill time (context prefill + compression), median of", args.repeats, "interleaved runs\n")
+
+def prefill_times(model, tok, lengths: list[int], repeats: int) -> None:
+    """Context prefill + compression per method, interleaved, medians."""
+    print("\n## Prefill time (context prefill + compression), median of", repeats, "interleaved runs\n")
     print(
         "| tokens | none s | snapkv s | criticalkv-snapkv s | criticalkv (l2) s | CriticalKV/SnapKV | "
         "CriticalKV-l2/SnapKV | compress share (criticalkv) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n in [int(x) for x in args.lengths.split(",")]:
+    for n in lengths:
         ids = context_ids(tok, n)
         prefill(model, PREFILL_METHODS["snapkv"], ids[:, :256])  # warm-up
         times = {name: [] for name in PREFILL_METHODS}
         compress = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for name, cfg in PREFILL_METHODS.items():
                 seconds, cache = prefill(model, cfg, ids)
                 times[name].append(seconds)
@@ -60,8 +69,10 @@ def main() -> None:
             f"{median(compress):.1%} |"
         )
 
-    n = max(int(x) for x in args.lengths.split(","))
-    ids = context_ids(tok, n)
+
+def kept_bytes(model, ids) -> None:
+    """Kept entries and bytes over the full cache's, for the CriticalKV methods at 0.2 and 0.4."""
+    n = ids.shape[1]
     print(f"\n## Kept KV bytes / full KV bytes ({n} tokens; full = n x layers x kv_heads x 2 x head_dim x 4 B)\n")
     print("| method | cache_size | kept entries / full | kept bytes / full (incl. positions + segment table) |")
     print("|---|---:|---:|---:|")
@@ -76,21 +87,23 @@ def main() -> None:
                 f"{cache.nbytes() / full_bytes:.4f} |"
             )
 
-    print(
-        f"\n## Decode ms/token at {n} tokens (median over {args.decode_steps} steps, {args.repeats} interleaved runs)\n"
-    )
+
+def decode_times(model, ids, repeats: int, steps: int) -> None:
+    """Decode ms/token of the full cache and a 0.2 ragged cache, interleaved."""
+    n = ids.shape[1]
+    print(f"\n## Decode ms/token at {n} tokens (median over {steps} steps, {repeats} interleaved runs)\n")
     print("| cache | ms/token | ratio to full |")
     print("|---|---:|---:|")
-    runs = {"full (none)": [], "criticalkv-adakv-snapkv 0.2": []}
     cfgs = {
         "full (none)": CompressionConfig(),
         "criticalkv-adakv-snapkv 0.2": CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.2),
     }
+    runs = {name: [] for name in cfgs}
     caches = {name: prefill(model, c, ids)[1] for name, c in cfgs.items()}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name in runs:
             caches[name].snapshot()
-            runs[name].append(decode_ms_per_token(model, caches[name], n, args.decode_steps))
+            runs[name].append(decode_ms_per_token(model, caches[name], n, steps))
             caches[name].restore()
     full = median(runs["full (none)"])
     for name, values in runs.items():
