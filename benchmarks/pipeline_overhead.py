@@ -64,7 +64,7 @@ def ray_job(config: JobConfig) -> tuple[float, int]:
     return time.perf_counter() - t0, result.rows_written
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--docs", type=int, default=4)
     p.add_argument("--words", type=int, default=800, help="words per document (~1.3 tokens each)")
@@ -75,8 +75,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-size", type=float, default=0.5)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--cpus-per-actor", type=float, default=None)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def job_config(args: argparse.Namespace, docs_path: Path, output: Path) -> JobConfig:
+    """The same job for the plain loop and for Ray: one actor."""
+    return JobConfig(
+        input=str(docs_path),
+        output=output,
+        model=ModelConfig(name=args.model),
+        compression=CompressionConfig(method=args.method, cache_size=args.cache_size),
+        generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
+        engine_factory=args.engine_factory,
+        min_actors=1,
+        max_actors=1,
+        cpus_per_actor=args.cpus_per_actor,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="overhead-"))
@@ -84,20 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     for doc in docs:
         doc["max_new_tokens"] = None  # the configured limit on both sides
     docs_path = write_documents(docs, work / "docs.parquet")
-
-    def config(index: int) -> JobConfig:
-        return JobConfig(
-            input=str(docs_path),
-            output=work / f"ray-{index}",
-            model=ModelConfig(name=args.model),
-            compression=CompressionConfig(method=args.method, cache_size=args.cache_size),
-            generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
-            engine_factory=args.engine_factory,
-            min_actors=1,
-            max_actors=1,
-            cpus_per_actor=args.cpus_per_actor,
-        )
-
     t0 = time.perf_counter()
     ray.init(
         address="local",
@@ -108,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     ray_start = time.perf_counter() - t0
     plain_times, ray_times = [], []
     try:
-        plain_loop(config(-1), docs_path)  # warm-up: file caches, converted model on disk
+        plain_loop(job_config(args, docs_path, work / "ray--1"), docs_path)  # warm-up: file caches, converted model
         for index in range(args.repeats):
-            seconds, rows_plain = plain_loop(config(index), docs_path)
+            config = job_config(args, docs_path, work / f"ray-{index}")
+            seconds, rows_plain = plain_loop(config, docs_path)
             plain_times.append(seconds)
-            seconds, rows_ray = ray_job(config(index))
+            seconds, rows_ray = ray_job(config)
             ray_times.append(seconds)
             assert rows_plain == rows_ray, (rows_plain, rows_ray)
             print(
@@ -121,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         ray.shutdown()
-    plain, ray_s = statistics.median(plain_times), statistics.median(ray_times)
+    summarise(args, ray_start, statistics.median(plain_times), statistics.median(ray_times))
+    return 0
+
+
+def summarise(args: argparse.Namespace, ray_start: float, plain: float, ray_s: float) -> None:
     print(
         f"\n{args.docs} documents x ~{args.words} words, {args.model}, {args.method} {args.cache_size}, "
         f"{args.max_new_tokens} new tokens, 1 actor"
@@ -136,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
             f"overhead {fixed:.1f} s per job, plain {per_doc:.2f} s per document: the ratio reaches 1.10 "
             f"from about {needed} documents of this size on one actor"
         )
-    return 0
 
 
 if __name__ == "__main__":
