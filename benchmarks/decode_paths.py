@@ -115,6 +115,20 @@ def measure(model, ids, cache_size: float, steps: int, repeats: int) -> dict:
     return out
 
 
+HEADS = [
+    "tokens",
+    "cache",
+    "previous ms/token",
+    "current ms/token",
+    "speed-up",
+    "same tokens",
+    "÷ uniform",
+    "bound achieved",
+    "prefill previous ÷ current",
+    "kernel",
+]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="2048,8192")
@@ -133,50 +147,33 @@ def main() -> None:
     rows = []
     print(f"{torch.get_num_threads()} threads", flush=True)
     for n in parse_ints(args.lengths):
-        ids = context_ids(loaded.tokenizer, n)
-        res = measure(model, ids, args.cache_size, args.steps, args.repeats)
-        uniform = statistics.median(res[("snapkv", "current")]["ms"])
-        for method in CACHES:
-            prev, cur = res[(method, "previous")], res[(method, "current")]
-            prev_ms, cur_ms = statistics.median(prev["ms"]), statistics.median(cur["ms"])
-            bound = decode_bound_s(shape, cur["entries"], limits)[0] * 1e3
-            rows.append(
-                [
-                    str(n),
-                    method,
-                    f"{prev_ms:.1f}",
-                    f"{cur_ms:.1f}",
-                    f"**{prev_ms / cur_ms:.2f}**",
-                    "yes"
-                    if prev["tokens"] == cur["tokens"] and prev["same_each_run"] and cur["same_each_run"]
-                    else "NO",
-                    f"{cur_ms / uniform:.2f}" if method != "none" else "-",
-                    f"{bound / prev_ms:.0%} → {bound / cur_ms:.0%}",
-                    f"{statistics.median(prev['prefill_s']) / statistics.median(cur['prefill_s']):.2f}",
-                    ",".join(prev["kernels"]) + " → " + ",".join(cur["kernels"]),
-                ]
-            )
+        res = measure(model, context_ids(loaded.tokenizer, n), args.cache_size, args.steps, args.repeats)
+        rows += [row(n, method, res, shape, limits) for method in CACHES]
         print(f"{n} tokens done", flush=True)
     lines.append(f"\n{args.steps} greedy steps per run (first 2 not timed), median of {args.repeats} runs per path\n")
-    lines.append(
-        table(
-            [
-                "tokens",
-                "cache",
-                "previous ms/token",
-                "current ms/token",
-                "speed-up",
-                "same tokens",
-                "÷ uniform",
-                "bound achieved",
-                "prefill previous ÷ current",
-                "kernel",
-            ],
-            rows,
-            "llrrrlrlrl",
-        )
-    )
+    lines.append(table(HEADS, rows, "llrrrlrlrl"))
     write_report("\n".join(lines) + "\n", args.out)
+
+
+def row(n: int, method: str, res: dict, shape, limits) -> list[str]:
+    """One cache's previous vs current path at ``n`` tokens."""
+    uniform = statistics.median(res[("snapkv", "current")]["ms"])
+    prev, cur = res[(method, "previous")], res[(method, "current")]
+    prev_ms, cur_ms = statistics.median(prev["ms"]), statistics.median(cur["ms"])
+    bound = decode_bound_s(shape, cur["entries"], limits)[0] * 1e3
+    same = prev["tokens"] == cur["tokens"] and prev["same_each_run"] and cur["same_each_run"]
+    return [
+        str(n),
+        method,
+        f"{prev_ms:.1f}",
+        f"{cur_ms:.1f}",
+        f"**{prev_ms / cur_ms:.2f}**",
+        "yes" if same else "NO",
+        f"{cur_ms / uniform:.2f}" if method != "none" else "-",
+        f"{bound / prev_ms:.0%} → {bound / cur_ms:.0%}",
+        f"{statistics.median(prev['prefill_s']) / statistics.median(cur['prefill_s']):.2f}",
+        ",".join(prev["kernels"]) + " → " + ",".join(cur["kernels"]),
+    ]
 
 
 if __name__ == "__main__":
