@@ -166,48 +166,61 @@ def _pod_problems(
         problems.append(f"{where}: no containers")
     gpus = 0
     for c in containers:
-        cwhere = f"{where} container {c.get('name')}"
-        problems += _image_problems(cwhere, c.get("image"))
-        mounts = {m.get("name"): m.get("mountPath") for m in c.get("volumeMounts") or []}
-        for mname in mounts:
-            if mname not in volumes:
-                problems.append(f"{cwhere}: volumeMount {mname!r} has no volume")
-        if mounts.get("dshm") != "/dev/shm" and "/dev/shm" not in mounts.values():
-            problems.append(f"{cwhere}: /dev/shm is not a memory volume (Ray's object store needs it)")
-        env = {e.get("name"): e for e in c.get("env") or []}
-        cache_dir = (env.get("CRITICALKV_CACHE_DIR") or {}).get("value")
-        cache_mounts = [mounts[v] for v in cache_volumes if v in mounts]
-        if not cache_dir:
-            problems.append(f"{cwhere}: CRITICALKV_CACHE_DIR is not set")
-        elif not any(cache_dir == m or cache_dir.startswith(m.rstrip("/") + "/") for m in cache_mounts):
-            problems.append(
-                f"{cwhere}: CRITICALKV_CACHE_DIR={cache_dir} is not on the model-cache PVC mount {cache_mounts}"
-            )
-        if env.get("RAY_AUTH_MODE", {}).get("value") == "disabled":
-            problems.append(f"{cwhere}: RAY_AUTH_MODE=disabled")
-        res = c.get("resources") or {}
-        limits, requests = res.get("limits") or {}, res.get("requests") or {}
-        for key in ("cpu", "memory"):
-            if key not in limits and key not in requests:
-                problems.append(f"{cwhere}: no {key} request/limit")
-        for kind_name, table in (("limits", limits), ("requests", requests)):
-            for key, value in table.items():
-                try:
-                    _quantity(value)
-                except ValueError as exc:
-                    problems.append(f"{cwhere}: resources.{kind_name}.{key}: {exc}")
-        gpu = limits.get("nvidia.com/gpu")
-        if gpu is not None:
-            try:
-                gpus += int(_quantity(gpu))
-            except ValueError:
-                pass
-            if "nvidia.com/gpu" in requests and str(requests["nvidia.com/gpu"]) != str(gpu):
-                problems.append(f"{cwhere}: nvidia.com/gpu request {requests['nvidia.com/gpu']} != limit {gpu}")
+        found, gpu_count = _container_problems(f"{where} container {c.get('name')}", c, volumes, cache_volumes)
+        problems += found
+        gpus += gpu_count
     if want_gpu and gpus < 1:
         problems.append(f"{where}: GPU worker without an nvidia.com/gpu limit")
     if not want_gpu and gpus:
         problems.append(f"{where}: the head asks for GPUs; it should be a CPU pod")
+    return problems, gpus
+
+
+def _container_problems(cwhere: str, c: dict, volumes: dict, cache_volumes: list[str]) -> tuple[list[str], int]:
+    """Problems of one container (image, mounts, cache dir, auth, resources), and its GPU limit."""
+    problems = _image_problems(cwhere, c.get("image"))
+    mounts = {m.get("name"): m.get("mountPath") for m in c.get("volumeMounts") or []}
+    for mname in mounts:
+        if mname not in volumes:
+            problems.append(f"{cwhere}: volumeMount {mname!r} has no volume")
+    if mounts.get("dshm") != "/dev/shm" and "/dev/shm" not in mounts.values():
+        problems.append(f"{cwhere}: /dev/shm is not a memory volume (Ray's object store needs it)")
+    env = {e.get("name"): e for e in c.get("env") or []}
+    cache_dir = (env.get("CRITICALKV_CACHE_DIR") or {}).get("value")
+    cache_mounts = [mounts[v] for v in cache_volumes if v in mounts]
+    if not cache_dir:
+        problems.append(f"{cwhere}: CRITICALKV_CACHE_DIR is not set")
+    elif not any(cache_dir == m or cache_dir.startswith(m.rstrip("/") + "/") for m in cache_mounts):
+        problems.append(
+            f"{cwhere}: CRITICALKV_CACHE_DIR={cache_dir} is not on the model-cache PVC mount {cache_mounts}"
+        )
+    if env.get("RAY_AUTH_MODE", {}).get("value") == "disabled":
+        problems.append(f"{cwhere}: RAY_AUTH_MODE=disabled")
+    found, gpus = _resource_problems(cwhere, c.get("resources") or {})
+    return problems + found, gpus
+
+
+def _resource_problems(cwhere: str, res: dict) -> tuple[list[str], int]:
+    """Requests/limits present and parseable, GPU request equal to its limit; the GPU limit."""
+    problems = []
+    limits, requests = res.get("limits") or {}, res.get("requests") or {}
+    for key in ("cpu", "memory"):
+        if key not in limits and key not in requests:
+            problems.append(f"{cwhere}: no {key} request/limit")
+    for kind_name, table in (("limits", limits), ("requests", requests)):
+        for key, value in table.items():
+            try:
+                _quantity(value)
+            except ValueError as exc:
+                problems.append(f"{cwhere}: resources.{kind_name}.{key}: {exc}")
+    gpu, gpus = limits.get("nvidia.com/gpu"), 0
+    if gpu is not None:
+        try:
+            gpus = int(_quantity(gpu))
+        except ValueError:
+            pass
+        if "nvidia.com/gpu" in requests and str(requests["nvidia.com/gpu"]) != str(gpu):
+            problems.append(f"{cwhere}: nvidia.com/gpu request {requests['nvidia.com/gpu']} != limit {gpu}")
     return problems, gpus
 
 
