@@ -241,8 +241,14 @@ class Check:
             self.warm_up(f"snapkv at {n} tokens", lambda ids=ids: prefill(self.model, self.compressors["snapkv"], ids))
         cache_label = f"{self.args.cache_size:.0%}"
         cells = {
-            m: {"tokens": n, "method": m, "cache": "full" if m == "none" else cache_label}
-            | {"prefill_s": [], "compress_s": [], "status": "ok"}
+            m: {
+                "tokens": n,
+                "method": m,
+                "cache": "full" if m == "none" else cache_label,
+                "prefill_s": [],
+                "compress_s": [],
+                "status": "ok",
+            }
             for m in METHODS
         }
         for r in range(self.args.repeats):

@@ -34,9 +34,7 @@ def test_full_cache_nll_equals_a_plain_forward():
     prompt = engine.prompts.encode(request.context, request.questions, request.answer_prefix)
     plain = tiny_model("llama")  # same weights; its own greedy answer (with EOS, if it stops) is the reference
     ids = torch.tensor([prompt.context_ids + prompt.question_ids[0]], device=DEVICE)
-    out = plain.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
-    answer = out[0, ids.shape[1] :].tolist()
-    answer = answer[: answer.index(257) + 1] if 257 in answer else answer
+    answer = _greedy_reference(plain, ids[0].tolist(), 6)
     assert engine.tokenizer.decode([t for t in answer if t != 257], skip_special_tokens=True) == full.prediction
     ids = torch.tensor([ids[0].tolist() + answer], device=DEVICE)
     with torch.inference_mode():
@@ -85,8 +83,7 @@ def _one_chunk_nll(engine, plain, cache, context_ids, question_ids, answer) -> f
     logits = run_chunk(engine.model, cache, ids, pos, logits_to_keep=len(seq)).logits[0].float()
     rows = logits[len(question_ids) - 1 : len(seq) - 1]
     if not question_ids:
-        with torch.inference_mode():
-            first = plain(input_ids=torch.tensor([context_ids], device=DEVICE)).logits[0, -1:].float()
+        first = plain(input_ids=torch.tensor([context_ids], device=DEVICE)).logits[0, -1:].float()
         rows = torch.cat([first, logits[: len(seq) - 1]])
     nll = -torch.log_softmax(rows, -1).gather(1, torch.tensor(answer, device=DEVICE)[:, None])
     return float(nll.mean())
