@@ -2,7 +2,12 @@
 plain prefill, peak memory above the process' level before the prefill, and kept bytes.
 
     python benchmarks/method_costs.py [--lengths 2048,4096] [--repeats 3] [--cache-size 0.2]
-                                      [--methods none,snapkv,...] [--out benchmarks/results/method_costs.md]
+                                      [--methods none,snapkv,kvzap[prefill_chunk=1024],...]
+                                      [--out benchmarks/results/method_costs.md] [--plot peaks.png]
+
+``--repeats`` takes one count or one per length (``3,3,1``); a method may carry knob overrides as in
+the sweeps (``NAME[knob=value,...]``, e.g. a chunked prefill); ``--plot`` draws each method's peak
+memory growth against the context length.
 
 SmolLM2 fp32 on CPU, the Engine's own path (``Engine.compress_context``: prefill, KVzip's
 reconstruction passes where the method needs them, compression into the variable-length cache).
@@ -39,11 +44,14 @@ from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
 from pipeline.engine.engine import Engine  # noqa: E402
 from pipeline.engine.loading import load_model  # noqa: E402
 from pipeline.engine.types import Request  # noqa: E402
+from pipeline.eval.sweep import parse_variant  # noqa: E402
 from pipeline.kv.config import CompressionConfig  # noqa: E402
+from pipeline.options import split_top_level  # noqa: E402
 
 DEFAULT_METHODS = (
     "none,snapkv,criticalkv-snapkv,adakv-snapkv,layer-snapkv,knorm,defensivekv,criticalkv-adakv-defensivekv,"
-    "layer-defensivekv,expected_attention,adakv-expected_attention,kvzip,layer-kvzip,criticalkv-layer-kvzip"
+    "layer-defensivekv,expected_attention,adakv-expected_attention,kvzip,layer-kvzip,criticalkv-layer-kvzip,"
+    "kvzap,shares-kvzap,criticalkv-shares-kvzap,criticalkv-shares-kvzap[prefill_chunk=1024]"
 )
 
 
@@ -104,25 +112,33 @@ def measure(engine_for, tokenizer, methods: list[str], n: int, repeats: int) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="2048,4096")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", default="3", help="one count, or one per length")
     p.add_argument("--cache-size", type=float, default=0.2)
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--out", default=str(HERE / "results" / "method_costs.md"))
+    p.add_argument("--plot", default=None, help="PNG of peak memory growth against the context length")
     args = p.parse_args()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = [m.strip() for m in split_top_level(args.methods) if m.strip()]
+    lengths = parse_ints(args.lengths)
+    repeats = parse_ints(args.repeats)
+    repeats = repeats * len(lengths) if len(repeats) == 1 else repeats
+    if len(repeats) != len(lengths):
+        p.error("--repeats: give one count or one per length")
     loaded = load_model(ModelConfig(name="smollm2"))
     engines: dict[str, Engine] = {}
 
     def engine_for(method: str) -> Engine:
         if method not in engines:
-            size = 1.0 if method == "none" else args.cache_size
-            config = CompressionConfig(method=method, cache_size=size)
+            name, overrides = parse_variant(method)
+            size = 1.0 if name == "none" else args.cache_size
+            config = CompressionConfig.model_validate({"method": name, "cache_size": size, **overrides})
             engines[method] = Engine(loaded, config, GenerationConfig(max_new_tokens=1))
         return engines[method]
 
     lines = [header(f"Prefill cost per method (SmolLM2 fp32, cache size {args.cache_size:g})")]
-    for n in parse_ints(args.lengths):
-        res = measure(engine_for, loaded.tokenizer, methods, n, args.repeats)
+    peaks: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
+    for n, reps in zip(lengths, repeats):
+        res = measure(engine_for, loaded.tokenizer, methods, n, reps)
         base = median(res["none"]["seconds"]) if "none" in res else None
         plain_flops = forward_flops(loaded.model, res[methods[0]]["forwards"][:1])
         rows = []
@@ -130,6 +146,8 @@ def main() -> None:
             r = res[method]
             sec = median(r["seconds"])
             peak = [x for x in r["peak"] if x is not None]
+            if peak:
+                peaks[method].append((r["tokens"], median(peak) / 2**20))
             rows.append(
                 [
                     method,
@@ -140,7 +158,7 @@ def main() -> None:
                     f"{r['kept']:.3f}",
                 ]
             )
-        lines.append(f"\n## {res[methods[0]]['tokens']} context tokens (median of {args.repeats})\n")
+        lines.append(f"\n## {res[methods[0]]['tokens']} context tokens (median of {reps})\n")
         lines.append(
             table(
                 [
@@ -159,6 +177,30 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"\n(written to {args.out})")
+    if args.plot:
+        plot_peaks(peaks, args.cache_size, args.plot)
+        print(f"(plot: {args.plot})")
+
+
+def plot_peaks(peaks: dict[str, list[tuple[int, float]]], cache_size: float, path: str) -> None:
+    """Peak memory growth (MiB) against context tokens, one line per method."""
+    import matplotlib  # benchmark-only dependency of the plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, points in peaks.items():
+        if points:
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="o", label=method)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("peak memory growth during the prefill (MiB)")
+    ax.set_title(f"Prefill peak memory per method (SmolLM2 fp32, CPU, cache size {cache_size:g})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,43 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, head_dim: in
 
 def tiny_loaded(arch: str = "llama", seed: int = 0, chat: bool = True, **kw) -> LoadedModel:
     return LoadedModel(tiny_model(arch, seed, **kw), tiny_tokenizer(chat), f"tiny-{arch}", DEVICE, torch.float32, 0.0)
+
+
+def tiny_kvzap(num_layers: int, num_kv_heads: int, hidden: int, seed: int = 0, kind: str = "linear"):
+    """A random KVzap model (weights and shares at three kept fractions) for a model of this shape."""
+    from pipeline.kv.kvzap_model import KVzapModel
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "linear":
+        tensors = {
+            "weight": torch.randn(num_layers, num_kv_heads, hidden, generator=g),
+            "bias": torch.randn(num_layers, num_kv_heads, generator=g),
+        }
+    else:
+        width = 8
+        tensors = {
+            "w1": torch.randn(num_layers, width, hidden, generator=g) * hidden**-0.5,
+            "b1": torch.randn(num_layers, width, generator=g),
+            "w2": torch.randn(num_layers, num_kv_heads, width, generator=g),
+            "b2": torch.randn(num_layers, num_kv_heads, generator=g),
+        }
+    shares = torch.rand(3, num_layers, num_kv_heads, generator=g) * 2 + 0.05
+    return KVzapModel(kind, tensors, shares / shares.mean(dim=(1, 2), keepdim=True), torch.tensor([0.1, 0.4, 0.9]))
+
+
+def tiny_kvzap_for(model: torch.nn.Module, seed: int = 0, kind: str = "linear"):
+    cfg = model.config
+    return tiny_kvzap(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size, seed, kind).to(DEVICE)
+
+
+def tiny_kvzap_file(loaded: LoadedModel, directory, seed: int = 0, kind: str = "linear"):
+    """A KVzap file for ``loaded`` (its fingerprint and name), random weights; returns the path."""
+    from pathlib import Path
+
+    from pipeline.engine.kvzap_file import model_fingerprint, write_kvzap
+
+    path = Path(directory) / f"{loaded.name}-{kind}-{seed}.safetensors"
+    if not path.is_file():
+        kvzap = tiny_kvzap_for(loaded.model, seed, kind)
+        write_kvzap(path, kvzap, loaded.name, model_fingerprint(loaded.model), {"layers": []}, {"seed": seed})
+    return path

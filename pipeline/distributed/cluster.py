@@ -36,11 +36,12 @@ def check_model(config: JobConfig) -> None:
         raise JobConfigError("model.name", str(exc)) from exc
 
 
-def ensure_ray(config: JobConfig) -> tuple[bool, str]:
-    """Connect to (or start) Ray; returns (started here, address description)."""
+def ensure_ray(ray_address: str | None = None) -> tuple[bool, str]:
+    """Connect to ``ray_address`` (or $RAY_ADDRESS), or start a local Ray; returns (started here,
+    address description)."""
     if ray.is_initialized():
         return False, "already initialised in this process"
-    address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    address = ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         with _keeping_sigterm_handler():
             ray.init(address=address, log_to_driver=True)

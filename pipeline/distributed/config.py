@@ -33,6 +33,7 @@ from pipeline.data.normalise import ColumnMapping
 from pipeline.data.sources import looks_like_path
 from pipeline.data.synthetic import SUMMARY_INSTRUCTION
 from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.kvzap_file import resolve_kvzap
 from pipeline.engine.priors import resolve_head_priors
 from pipeline.kv.config import CompressionConfig
 
@@ -237,6 +238,7 @@ class JobConfig(BaseModel):
             raise ValueError("instruction must not be empty")
         for setting in [self.compression, *self.sweep]:
             resolve_head_priors(setting, self.model.name)  # a headkv method needs a priors file: fail now
+            resolve_kvzap(setting, self.model.name)  # kvzap / shares need a KVzap file for this model: fail now
         return self
 
     # ------------------------------------------------------------------ derived

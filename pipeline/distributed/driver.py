@@ -229,7 +229,7 @@ class _Run:
         state = committed.succeeded if self.config.retry_errors else committed.answered
         started_here, record = False, LocalRayRecord(default_cache_dir() / SESSIONS_DIR)
         try:
-            started_here, address = ensure_ray(self.config)
+            started_here, address = ensure_ray(self.config.ray_address)
             if started_here:
                 record.write()
             cpus = check_resources(self.config, started_here)

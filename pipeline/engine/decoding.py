@@ -88,6 +88,26 @@ class Decoder:
         ids, pos = left_pad([r.prompt.context_ids for r in rows], zeros, self.pad_id, self.device)
         return ctx_len, self.forward(cache, ids, pos)
 
+    def prefill_chunked(
+        self, rows: list[Row], cache: VarLenCache, cache_size: float, chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context prefill ``chunk`` tokens at a time (positions [k*chunk, (k+1)*chunk) of every row),
+        compressing the cache after each chunk (:mod:`pipeline.kv.chunked`). Same returns as :meth:`prefill`."""
+        hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache_size)
+        contexts = [r.prompt.context_ids for r in rows]
+        ctx_len = torch.tensor([len(c) for c in contexts])
+        logits = None
+        cache.begin_chunked_prefill()
+        for begin in range(0, int(ctx_len.max()), chunk):
+            pieces = [c[begin : begin + chunk] for c in contexts]
+            ids, pos = left_pad(pieces, torch.full((len(rows),), begin), self.pad_id, self.device)
+            out = self.forward(cache, ids, pos)
+            cache.compress_chunk(ctx_len.clamp(max=begin + chunk).to(self.device))
+            ends = ((ctx_len > begin) & (ctx_len <= begin + chunk)).to(out.device)
+            logits = out if logits is None else torch.where(ends[:, None], out, logits)
+        cache.end_chunked_prefill()
+        return ctx_len, logits
+
     def answer_rounds(
         self,
         cache: VarLenCache,

@@ -34,6 +34,7 @@ from .answers import ContextCost, ModelShape, make_answers
 from .batching import Row, rows_for
 from .config import GenerationConfig, ModelConfig
 from .decoding import Decoder
+from .kvzap_file import load_kvzap, resolve_kvzap
 from .loading import LoadedModel, load_model
 from .memory import PeakMemory, device_label, now
 from .priors import load_head_priors, resolve_head_priors
@@ -72,6 +73,7 @@ class Engine:
         self.compression = compression or CompressionConfig()
         self.generation = generation or GenerationConfig()
         self.max_context_tokens = max_context_tokens or getattr(cfg, "max_position_embeddings", None)
+        self._kvzap_cache: dict = {}  # file -> KVzapModel: one load per file for every setting
         self.compressor = self.make_compressor(self.compression)
         self.oom_retry: tuple[float, Compressor] | None = None
         if oom_retry_cache_size is not None:
@@ -98,12 +100,18 @@ class Engine:
         )
 
     def make_compressor(self, config: CompressionConfig) -> Compressor:
-        """A compressor for this model (HeadKV priors read from the config's file, or the shipped ones)."""
-        config = resolve_head_priors(config, self.loaded.name)
-        priors = None
+        """A compressor for this model (HeadKV priors and KVzap weights read from the config's
+        files, or the ones shipped for the model)."""
+        config = resolve_kvzap(resolve_head_priors(config, self.loaded.name), self.loaded.name)
+        priors = kvzap = None
         if config.head_priors is not None and config.needs_head_priors:
             priors = load_head_priors(config.head_priors, self.shape.num_layers, self.shape.num_kv_heads)
-        return Compressor(config, priors, rotary=model_rotary(self.model))
+        if config.kvzap_model is not None and config.needs_kvzap_model and config.compresses:
+            kvzap = self._kvzap_cache.get(str(config.kvzap_model))
+            if kvzap is None:
+                kvzap = load_kvzap(config.kvzap_model, self.model, self.loaded.name)
+                self._kvzap_cache[str(config.kvzap_model)] = kvzap
+        return Compressor(config, priors, rotary=model_rotary(self.model), kvzap=kvzap)
 
     def enable_oom_retry(self, cache_size: float) -> None:
         """Retry a document that ran out of memory once, compressed to ``cache_size`` instead."""
@@ -136,10 +144,19 @@ class Engine:
         inspect what was kept: ``cache.kept_positions(layer, 0, kv_head)`` gives the original token
         positions (0 = first context token after the chat-template head) held for that head."""
         cache = VarLenCache(self.shape.num_layers, self.compressor)
-        rows = self._rows_for(request)[:1]
-        self.decoder.prefill(rows, cache, self.compression.cache_size)
-        self._reconstruct(rows, cache)
+        self.prefill(self._rows_for(request)[:1], cache)
         return cache
+
+    def prefill(self, rows: list[Row], cache: VarLenCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context prefill and compression of ``rows`` into ``cache`` with the cache's method: in
+        one pass (then KVzip's passes where needed) or chunk by chunk (``prefill_chunk``).
+        Returns (context lengths (B,), last logits (B, V))."""
+        cfg = cache.compressor.config
+        if cfg.chunked:
+            return self.decoder.prefill_chunked(rows, cache, cfg.cache_size, cfg.prefill_chunk)
+        ctx_len, logits = self.decoder.prefill(rows, cache, cfg.cache_size)
+        self._reconstruct(rows, cache)
+        return ctx_len, logits
 
     def _reconstruct(self, rows: list[Row], cache: VarLenCache) -> None:
         """KVzip: the reconstruction passes, then the deferred compression (both in ``compress_s``)."""
@@ -221,8 +238,7 @@ class Engine:
         with meter:
             t0 = now(self.device)
             cache = VarLenCache(self.shape.num_layers, compressor)
-            ctx_len, logits = self.decoder.prefill(rows, cache, compressor.config.cache_size)
-            self._reconstruct(rows, cache)
+            ctx_len, logits = self.prefill(rows, cache)
             prefill_s = now(self.device) - t0
             per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits)
         cost = ContextCost(

@@ -34,12 +34,17 @@ def decode_groups(compressors: list[Compressor], size: int) -> list[list[int]]:
     compressing ones by (cache size, allocation, budget), ``size`` per group; settings with a
     decode-time cap alone (their caches evict per row and cannot be stacked)."""
     full = [i for i, c in enumerate(compressors) if not c.config.compresses]
-    capped = [i for i, c in enumerate(compressors) if c.config.compresses and c.config.max_cache_tokens is not None]
-    rest = [i for i, c in enumerate(compressors) if c.config.compresses and c.config.max_cache_tokens is None]
+    alone = [i for i, c in enumerate(compressors) if c.config.compresses and _own_cache(c)]
+    rest = [i for i, c in enumerate(compressors) if c.config.compresses and not _own_cache(c)]
     rest.sort(key=lambda i: _layout_key(compressors[i]))
-    groups = [[i] for i in full + capped]
+    groups = [[i] for i in full + alone]
     groups += [rest[k : k + size] for k in range(0, len(rest), size)]
     return groups
+
+
+def _own_cache(compressor: Compressor) -> bool:
+    """Decoded alone: a decode-time cap evicts per row; a chunked prefill runs its own prefill."""
+    return compressor.config.max_cache_tokens is not None or compressor.config.chunked
 
 
 def _layout_key(compressor: Compressor) -> tuple:
@@ -77,9 +82,10 @@ class SweepBatch:
                 self._decode_group(group, capture, passes, ctx_len, logits)
         answers = []
         for index, compressor in enumerate(self.compressors):
-            entries, kept_bytes, compress_s, per_round = self.results[index]
+            entries, kept_bytes, compress_s, per_round, own_prefill = self.results[index]
             cfg = compressor.config
-            cost = ContextCost(entries, kept_bytes, prefill_s + compress_s, compress_s, meter.peak_bytes)
+            context_s = own_prefill if own_prefill is not None else prefill_s + compress_s
+            cost = ContextCost(entries, kept_bytes, context_s, compress_s, meter.peak_bytes)
             setting = Setting(cfg.label, cfg.cache_size, cfg.budget)
             answers += make_answers(rows, ctx_len.tolist(), per_round, cost, engine.shape, setting, self.reference)
         return answers
@@ -98,15 +104,27 @@ class SweepBatch:
             out[key] = (scores, now(self.engine.device) - t0)
         return out
 
+    def _chunked_prefill(self, compressor: Compressor) -> tuple[VarLenCache, object, float]:
+        """A chunked setting's cache, last logits and seconds from its own prefill (its ``ttft_s``
+        counts that prefill instead of the shared one)."""
+        t0 = now(self.engine.device)
+        cache = VarLenCache(self.engine.shape.num_layers, compressor)
+        _, logits = self.engine.prefill(self.rows, cache)
+        return cache, logits, now(self.engine.device) - t0
+
     def _decode_group(self, group: list[int], capture: CaptureCache, passes: dict, ctx_len, logits) -> None:
         """Build the group's caches, stack them, answer every round; store each setting's share."""
         built, caches = [], []
         for index in group:
-            scores, pass_s = passes.get(reconstruction_key(self.compressors[index]), (None, 0.0))
-            cache = capture.compressed(index, observed=scores)
-            built.append(
-                (cache.context_entries.tolist(), cache.context_bytes.tolist(), cache.compress_seconds + pass_s)
-            )
+            own_prefill = None
+            if self.compressors[index].config.chunked:  # its own prefill: later chunks see the compressed cache
+                cache, logits, own_prefill = self._chunked_prefill(self.compressors[index])
+                seconds = cache.compress_seconds
+            else:
+                scores, pass_s = passes.get(reconstruction_key(self.compressors[index]), (None, 0.0))
+                cache = capture.compressed(index, observed=scores)
+                seconds = cache.compress_seconds + pass_s
+            built.append((cache.context_entries.tolist(), cache.context_bytes.tolist(), seconds, own_prefill))
             caches.append(cache)
         cache = caches[0] if len(caches) == 1 else VarLenCache.stacked(caches)
         del caches  # the stacked copy is all that stays alive
@@ -120,6 +138,6 @@ class SweepBatch:
         if own:
             self.reference = per_round
         for j, index in enumerate(group):
-            entries, kept_bytes, compress_s = built[j]
+            entries, kept_bytes, compress_s, own_prefill = built[j]
             share = [rnd[j * b : (j + 1) * b] for rnd in per_round]
-            self.results[index] = (entries, kept_bytes, compress_s, share)
+            self.results[index] = (entries, kept_bytes, compress_s, share, own_prefill)

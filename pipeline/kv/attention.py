@@ -17,6 +17,9 @@ Registration (a public extension point; other implementations are untouched):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -154,3 +157,26 @@ def register_recording() -> str:
     """Register the recording attention with transformers (idempotent) and return its name."""
     AttentionInterface.register(RECORDING_NAME, recording_attention_forward)
     return RECORDING_NAME
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's attention modules (those with a ``layer_idx`` and an ``o_proj``), in layer order."""
+    found = [m for m in model.modules() if hasattr(m, "o_proj") and isinstance(getattr(m, "layer_idx", None), int)]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+@contextmanager
+def recorded_attention_inputs(model: torch.nn.Module, sink: dict[int, torch.Tensor]) -> Iterator[None]:
+    """During the block, every attention module's input hidden states (B, T, hidden) (after the
+    layer's input norm) are put in ``sink[layer_idx]`` by forward pre-hooks, removed afterwards."""
+
+    def record(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        sink[module.layer_idx] = hidden
+
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in attention_modules(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -24,12 +24,14 @@ Public read-back: :meth:`kept_positions` gives the original positions held for (
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from .attention import dense_prefill_attention, grouped_decode_attention, varlen_attention
+from .attention import dense_prefill_attention, grouped_decode_attention, recorded_attention_inputs, varlen_attention
+from .chunked import ChunkedCompression
 from .compress import Compressor, LayerSelection, PendingLayer
 from .decode_cap import DecodeCap
 from .store import VarLenLayer
@@ -58,6 +60,12 @@ class ChunkCache(Cache):
         self.chunk_pos: torch.Tensor | None = None
         self.chunk_padding = False
         self.query_pos: torch.Tensor | None = None
+        self.hidden_states: dict[int, torch.Tensor] = {}  # layer -> attention input of this chunk, when wanted
+
+    @property
+    def wants_hidden_states(self) -> bool:
+        """The next chunk's attention inputs must be recorded (a scorer reads them; see run_chunk)."""
+        return False
 
     def begin_chunk(self, positions: torch.Tensor) -> None:
         """Declare the positions of the next forward's tokens: (B, T) long, -1 on padding.
@@ -122,14 +130,19 @@ def run_chunk(model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor
     package are driven). input_ids, positions: (B, T), positions -1 on padding. The model must use the
     registered attention (:func:`pipeline.kv.attention.register`). Returns the model's output."""
     cache.begin_chunk(positions)
-    return model(
-        input_ids=input_ids,
-        position_ids=positions.clamp(min=0),
-        cache=cache,
-        varlen_cache=cache,
-        use_cache=True,
-        **kwargs,
-    )
+    recording = recorded_attention_inputs(model, cache.hidden_states) if cache.wants_hidden_states else nullcontext()
+    try:
+        with recording:
+            return model(
+                input_ids=input_ids,
+                position_ids=positions.clamp(min=0),
+                cache=cache,
+                varlen_cache=cache,
+                use_cache=True,
+                **kwargs,
+            )
+    finally:
+        cache.hidden_states.clear()
 
 
 class VarLenCache(ChunkCache):
@@ -146,6 +159,7 @@ class VarLenCache(ChunkCache):
         self.context_bytes: torch.Tensor | None = None  # (B,) bytes held per row after prefill
         self.cap = DecodeCap(compressor) if compressor.config.max_cache_tokens is not None else None
         self.pending: list[PendingLayer | None] = [None] * num_layers  # deferred methods, until compressed
+        self.chunked: ChunkedCompression | None = None  # during a chunked prefill (begin_chunked_prefill)
 
     @classmethod
     def from_layers(cls, layers: list[VarLenLayer], compressor: Compressor) -> VarLenCache:
@@ -169,6 +183,31 @@ class VarLenCache(ChunkCache):
         cache._finish_context()
         return cache
 
+    @property
+    def wants_hidden_states(self) -> bool:
+        prefilling = self.chunked is not None or any(layer is None for layer in self.store)
+        return self.compressor.needs_hidden_states and prefilling
+
+    # ------------------------------------------------------------------ chunked prefill
+    def begin_chunked_prefill(self) -> None:
+        """Prefill chunks go through :class:`~pipeline.kv.chunked.ChunkedCompression` until
+        :meth:`end_chunked_prefill`; call :meth:`compress_chunk` after each chunk's forward."""
+        if self.cap is not None or self.compressor.needs_reconstruction:
+            raise ValueError("a chunked prefill cannot use the decode-time cap or a reconstruction scorer (kvzip)")
+        if any(layer is not None for layer in self.store):
+            raise RuntimeError("a chunked prefill starts from an empty cache")
+        self.chunked = ChunkedCompression(self)
+
+    def compress_chunk(self, seen: torch.Tensor) -> None:
+        """After a chunk's forward: compress every layer to the running budget of ``seen`` (B,) tokens."""
+        with _Timer(seen.device) as timer:
+            self.chunked.compress(seen)
+        self.compress_seconds += timer.seconds
+
+    def end_chunked_prefill(self) -> None:
+        self.chunked = None
+        self._finish_context()
+
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
         layer = self.store[layer_idx]
         if layer is not None:
@@ -189,13 +228,15 @@ class VarLenCache(ChunkCache):
         idx = module.layer_idx
         if self.chunk_pos is None:
             raise RuntimeError("VarLenCache is driven through run_chunk() (it declares the chunk's positions)")
+        if self.chunked is not None:
+            return self.chunked.attend(idx, module, query, key, value, scaling)
         if self.pending[idx] is not None:
             raise RuntimeError(
                 "the context is not compressed yet: run the reconstruction passes and finish_compression()"
             )
         if self.store[idx] is None:
             out = dense_prefill_attention(query, key, value, self.chunk_pos, scaling)
-            observed = self.compressor.observe(query, self.chunk_pos)
+            observed = self.compressor.observe(query, self.chunk_pos, idx, self.hidden_states.pop(idx, None))
             self.compress_into(idx, module, observed, key, value, self.chunk_pos, scaling)
             return out
         out, kernel = self._attend_stored(idx, query, scaling)

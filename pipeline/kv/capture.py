@@ -40,12 +40,17 @@ class CaptureCache(ChunkCache):
         self.compressors = list(compressors)
         self.captured: list[CapturedLayer | None] = [None] * num_layers
 
+    @property
+    def wants_hidden_states(self) -> bool:
+        return any(c.needs_hidden_states for c in self.compressors) and self.captured[-1] is None
+
     def attend(self, module, query, key, value, scaling) -> torch.Tensor:
         idx = module.layer_idx
         if self.captured[idx] is not None:
             raise RuntimeError("a capture cache holds one prefill; later chunks go to the caches it builds")
         out = dense_prefill_attention(query, key, value, self.chunk_pos, scaling)
-        observed = [self._keep(c.observe(query, self.chunk_pos)) for c in self.compressors]
+        hidden = self.hidden_states.pop(idx, None)
+        observed = [self._keep(c.observe(query, self.chunk_pos, idx, hidden)) for c in self.compressors]
         self.captured[idx] = CapturedLayer(module, key, value, self.chunk_pos, scaling, observed)
         return out
 

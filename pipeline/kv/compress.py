@@ -22,8 +22,10 @@ import torch
 
 from .allocation import ALLOCATIONS, row_budgets
 from .config import CompressionConfig
-from .parts import LayerContext, Rotary
+from .kvzap_model import KVzapModel
+from .parts import LayerContext, LayerInputs, Rotary
 from .scorers import SCORERS
+from .scorers.common import window_mask
 from .selection import SELECTIONS
 from .value_norms import NormStats, OutputProjection, entry_norms, norms_for_mask
 
@@ -56,12 +58,19 @@ class Compressor:
     """Applies one compression method to every layer of a prefill (see the module docstring)."""
 
     def __init__(
-        self, config: CompressionConfig, head_priors: torch.Tensor | None = None, rotary: Rotary | None = None
+        self,
+        config: CompressionConfig,
+        head_priors: torch.Tensor | None = None,
+        rotary: Rotary | None = None,
+        kvzap: KVzapModel | None = None,
     ) -> None:
         if config.needs_head_priors and config.compresses and head_priors is None:
             raise ValueError(f"method {config.method!r} needs HeadKV priors (compression.head_priors)")
+        if config.needs_kvzap_model and config.compresses and kvzap is None:
+            raise ValueError(f"method {config.method!r} needs a KVzap model (compression.kvzap_model)")
         self.config = config
         self.head_priors = head_priors
+        self.kvzap = kvzap
         self.rotary = rotary
         self.norm_stats = NormStats()
         self._projections: dict[int, OutputProjection] = {}
@@ -85,6 +94,11 @@ class Compressor:
         return self.scorer is not None and (self.needs_reconstruction or self.allocation.scope == "model")
 
     @property
+    def needs_hidden_states(self) -> bool:
+        """The scorer reads each layer's attention input during the prefill (KVzap)."""
+        return self.scorer is not None and self.scorer.needs_hidden_states
+
+    @property
     def observed_queries(self) -> int:
         """How many of the last prefill queries the scorer keeps (a capture for sweeps keeps as many)."""
         return self.scorer.observed_queries(self.config) if self.scorer is not None else 0
@@ -97,16 +111,21 @@ class Compressor:
             self._projections[layer_idx] = proj
         return proj
 
-    def observe(self, query: torch.Tensor, key_pos: torch.Tensor) -> object:
-        """What the scorer keeps of one layer's prefill queries (B, H_q, n, D)."""
+    def observe(
+        self, query: torch.Tensor, key_pos: torch.Tensor, layer_idx: int = 0, hidden: torch.Tensor | None = None
+    ) -> object:
+        """What the scorer keeps of one layer's prefill queries (B, H_q, n, D) (and, for a scorer
+        that needs them, of its attention input ``hidden`` (B, n, hidden))."""
         if self.scorer is None:
             return None
-        return self.scorer.observe(query, key_pos, self.config, self.rotary)
+        inputs = LayerInputs(layer_idx, hidden, self.kvzap)
+        return self.scorer.observe(query, key_pos, self.config, self.rotary, inputs=inputs)
 
-    def compress_layer(self, layer_idx, module, query, key, value, key_pos, scaling) -> LayerSelection:
+    def compress_layer(self, layer_idx, module, query, key, value, key_pos, scaling, hidden=None) -> LayerSelection:
         """:meth:`observe` + :meth:`compress_observed`. query: (B, H_q, m, D) (the last m >=
         :attr:`observed_queries` prefill queries, or all of them); key/value: (B, H_kv, n, D)."""
-        return self.compress_observed(layer_idx, module, self.observe(query, key_pos), key, value, key_pos, scaling)
+        observed = self.observe(query, key_pos, layer_idx, hidden)
+        return self.compress_observed(layer_idx, module, observed, key, value, key_pos, scaling)
 
     def compress_observed(self, layer_idx, module, observed, key, value, key_pos, scaling) -> LayerSelection:
         """Which entries of one layer each (row, KV head) keeps (per-layer methods).
@@ -129,6 +148,62 @@ class Compressor:
         budgets = self.allocation.model_head_budgets(scores, contexts, self.config)
         return [self._select(ctx, s, b) for ctx, s, b in zip(contexts, scores, budgets)]
 
+    def raw_scores(self, layer_idx, module, observed, key, value, key_pos, scaling) -> torch.Tensor:
+        """Base scores of one prefill chunk's entries (chunked prefill), (B, H_kv, T): as the scorer
+        scores the chunk, except that the chunk's window entries get the score they have without a
+        window (the running window is applied to the union in :meth:`compress_union`)."""
+        ctx = self._context(layer_idx, PendingLayer(module, key, value, key_pos, scaling, observed))
+        with_window = self.scorer.score(ctx, self.config)  # as the unchunked prefill scores the chunk
+        in_window = window_mask(key_pos, ctx.row_window)[:, None, :]
+        ctx.row_window = torch.zeros_like(ctx.row_window)
+        bare = self.scorer.score(ctx, self.config)  # the window's own entries, for when they leave the window
+        return torch.where(in_window, bare, with_window)
+
+    def compress_union(self, modules, views, unions, seen: torch.Tensor, scaling: list[float]) -> list[torch.Tensor]:
+        """Which candidates each layer keeps after a prefill chunk (:mod:`pipeline.kv.chunked`).
+
+        views: per layer (keys, values (S, L, D), positions (S, L)) per segment (S = B * H_kv, -1: no
+        entry); unions: per layer (S, L) raw scores; seen: (B,) tokens of each row so far (the running
+        budget is the kept fraction of them; the most recent ``window`` are always kept).
+        Returns per layer keep (B, H_kv, L) bool.
+        """
+        cfg = self.config
+        bsz = seen.shape[0]
+        row_b, row_w = row_budgets(seen, cfg.cache_size, cfg.budget, cfg.window)
+        contexts, scores = [], []
+        for idx, ((keys, values, positions), union) in enumerate(zip(views, unions)):
+            segments, width, dim = keys.shape
+            heads = segments // bsz
+            pos = positions.view(bsz, heads, width)
+            recent = (pos >= (seen - row_w)[:, None, None]) & (pos >= 0)
+            scores.append(union.view(bsz, heads, width).masked_fill(recent, float("inf")))
+            module = modules[idx]
+            contexts.append(
+                LayerContext(
+                    layer_idx=idx,
+                    key=keys.view(bsz, heads, width, dim),
+                    value=values.view(bsz, heads, width, dim),
+                    key_pos=pos,
+                    scaling=scaling[idx],
+                    lengths=seen,
+                    row_budget=row_b,
+                    row_window=row_w,
+                    observed=None,
+                    projection=lambda idx=idx, module=module, heads=heads, dim=dim: self.projection(
+                        idx, module, heads, dim
+                    ),
+                    head_priors=self.head_priors,
+                    kvzap=self.kvzap,
+                )
+            )
+        if self.allocation.scope == "model":  # layers hold different numbers of candidates: pad to one width
+            width = max(sc.shape[-1] for sc in scores)
+            padded = [torch.nn.functional.pad(sc, (0, width - sc.shape[-1]), value=float("-inf")) for sc in scores]
+            budgets = self.allocation.model_head_budgets(padded, contexts, cfg)
+        else:
+            budgets = [self.allocation.head_budgets(sc, ctx, cfg) for sc, ctx in zip(scores, contexts)]
+        return [self._select(ctx, sc, b).keep for ctx, sc, b in zip(contexts, scores, budgets)]
+
     def _context(self, layer_idx: int, layer: PendingLayer) -> LayerContext:
         cfg = self.config
         _, h_kv, _, dim = layer.key.shape
@@ -146,6 +221,7 @@ class Compressor:
             observed=layer.observed,
             projection=lambda: self.projection(layer_idx, layer.module, h_kv, dim),
             head_priors=self.head_priors,
+            kvzap=self.kvzap,
         )
 
     def _select(self, ctx: LayerContext, scores: torch.Tensor, head_budget: torch.Tensor) -> LayerSelection:

@@ -103,6 +103,13 @@ class _CompressionCore(BaseModel):
     window: int = Field(32, ge=1, description="observation window: the last context tokens, always kept")
     max_cache_tokens: int | None = Field(None, ge=1, description="decode-time cap of entries per KV head")
     query_aware: bool = Field(False, description="compress with the question inside the observation window")
+    prefill_chunk: int | None = Field(
+        None,
+        ge=1,
+        description="prefill the context this many tokens at a time, compressing the cache to the kept "
+        "fraction of the tokens seen after each chunk (peak memory: the compressed cache + one chunk); "
+        "default: the whole context in one pass",
+    )
     variant: str | None = Field(
         None,
         description="the knob overrides of a swept variant, as its label spells them (set by the sweep)",
@@ -150,6 +157,14 @@ class CompressionConfig(_CompressionCore, *_part_options()):
                 f"budget ({self.budget} tokens per head) is smaller than the observation window "
                 f"({self.window}); the window is always kept and counts inside the budget"
             )
+        if self.prefill_chunk is not None and self.compresses:
+            if any(getattr(part, "needs_reconstruction", False) for part in self.parts()):
+                raise ValueError(
+                    f"prefill_chunk: scorer {self.scorer!r} scores from passes over the whole context and cannot "
+                    "compress chunk by chunk; use kvzap (its one-pass predictor) or another scorer"
+                )
+            if self.max_cache_tokens is not None:
+                raise ValueError("prefill_chunk and max_cache_tokens (the decode-time cap) cannot be combined")
         if self.max_cache_tokens is not None and self.max_cache_tokens <= self.window:
             raise ValueError(
                 f"max_cache_tokens ({self.max_cache_tokens}) must exceed the window ({self.window}),"
@@ -187,6 +202,15 @@ class CompressionConfig(_CompressionCore, *_part_options()):
     @property
     def needs_head_priors(self) -> bool:
         return any(part.needs_head_priors for part in self.parts())
+
+    @property
+    def chunked(self) -> bool:
+        """The context is prefilled chunk by chunk with compression after each (``prefill_chunk``)."""
+        return self.prefill_chunk is not None and self.compresses
+
+    @property
+    def needs_kvzap_model(self) -> bool:
+        return any(part.needs_kvzap_model for part in self.parts())
 
     @classmethod
     def cli_aliases(cls) -> dict:

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 if TYPE_CHECKING:  # annotations only: config imports the registries, which import this module
     from .config import CompressionConfig
+    from .kvzap_model import KVzapModel
     from .value_norms import NormStats, OutputProjection
 
 #: positions (B, n) -> (cos, sin), each (B, n, D): the model's rotary embedding (HF half-split convention)
@@ -41,7 +42,8 @@ class LayerContext:
     observation window of each row, see :func:`pipeline.kv.allocation.row_budgets`);
     observed: what the scorer's :meth:`Scorer.observe` kept of the prefill queries;
     projection(): the layer's W_O slices (float32, cached by the compressor);
-    head_priors: (L, H_kv) HeadKV priors or None.
+    head_priors: (L, H_kv) HeadKV priors or None; kvzap: the learned scorer's weights and
+    calibrated shares (:class:`~pipeline.kv.kvzap_model.KVzapModel`) or None.
     """
 
     layer_idx: int
@@ -55,6 +57,18 @@ class LayerContext:
     observed: object
     projection: Callable[[], OutputProjection]
     head_priors: torch.Tensor | None = None
+    kvzap: KVzapModel | None = None
+
+
+@dataclass
+class LayerInputs:
+    """What a layer's prefill offers :meth:`Scorer.observe` besides its queries: the layer index,
+    the attention input hidden states (B, n, hidden) when the scorer declares
+    ``needs_hidden_states`` (else None), and the learned scorer's weights (or None)."""
+
+    layer_idx: int
+    hidden: torch.Tensor | None = None
+    kvzap: KVzapModel | None = None
 
 
 class Part:
@@ -66,6 +80,8 @@ class Part:
     summary: ClassVar[str] = ""
     #: the engine must load per-head priors (HeadKV) and pass them as ``LayerContext.head_priors``
     needs_head_priors: ClassVar[bool] = False
+    #: the engine must load a KVzap file (:mod:`pipeline.kv.kvzap_model`) for the compressor
+    needs_kvzap_model: ClassVar[bool] = False
 
     def check(self, config: CompressionConfig) -> None:
         """Raise ``ValueError`` when ``config`` cannot run with this part (default: nothing to check)."""
@@ -85,18 +101,26 @@ class Scorer(Part):
     """
 
     needs_reconstruction: ClassVar[bool] = False
+    #: ``observe`` reads each layer's attention input (``LayerInputs.hidden``), recorded by the cache
+    needs_hidden_states: ClassVar[bool] = False
 
     def observed_queries(self, config: CompressionConfig) -> int:
         """How many of the last prefill queries :meth:`observe` keeps (0: none)."""
         return 0
 
     def observe(
-        self, query: torch.Tensor, key_pos: torch.Tensor, config: CompressionConfig, rotary: Rotary | None = None
+        self,
+        query: torch.Tensor,
+        key_pos: torch.Tensor,
+        config: CompressionConfig,
+        rotary: Rotary | None = None,
+        inputs: LayerInputs | None = None,
     ) -> object:
         """What the scorer needs of the prefill queries, kept while the layer's attention runs.
 
         query: (B, H_q, n, D) post-RoPE; rotary: the model's RoPE (cos, sin) at given positions, for
-        scorers that need pre-RoPE queries. Default: the last :meth:`observed_queries` queries (a
+        scorers that need pre-RoPE queries; inputs: the layer index, hidden states and learned
+        weights (:class:`LayerInputs`). Default: the last :meth:`observed_queries` queries (a
         view) or None. Called once per layer; a compression sweep keeps the result of every setting.
         """
         tail = self.observed_queries(config)

@@ -2,6 +2,7 @@
 multi-question answering do not change results, prompts and errors are handled."""
 
 import json
+import tempfile
 
 import pytest
 import torch
@@ -15,15 +16,21 @@ from pipeline.engine.types import Request
 from pipeline.kv.config import CompressionConfig
 from tests.faults import Faults
 from tests.methods import ALL_METHODS
-from tests.tiny import DEVICE, tiny_loaded, tiny_model, tiny_tokenizer
+from tests.tiny import DEVICE, tiny_kvzap_file, tiny_loaded, tiny_model, tiny_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
 
 
+KVZAP_DIR = tempfile.mkdtemp(prefix="kvzap-tiny-")
+
+
 def _engine(arch="llama", method="none", cache_size=1.0, batch_size=1, max_new=10, priors=None, **kw):
     extra = {"head_priors": priors} if priors else {}
+    loaded = tiny_loaded(arch)
+    if CompressionConfig(method=method).needs_kvzap_model and "kvzap_model" not in kw:
+        extra["kvzap_model"] = tiny_kvzap_file(loaded, KVZAP_DIR)
     comp = CompressionConfig(method=method, cache_size=cache_size, window=4, kernel=3, **extra, **kw)
-    return Engine(tiny_loaded(arch), comp, GenerationConfig(max_new_tokens=max_new, batch_size=batch_size))
+    return Engine(loaded, comp, GenerationConfig(max_new_tokens=max_new, batch_size=batch_size))
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +230,13 @@ def test_hook_rejects_unknown_events_and_directives():
 def test_sweep_from_one_prefill_equals_separate_runs(query_aware, priors):
     settings = [
         CompressionConfig(
-            method=m, cache_size=0.3 + 0.1 * (i % 3), window=4, kernel=3, query_aware=query_aware, head_priors=priors
+            method=m,
+            cache_size=0.3 + 0.1 * (i % 3),
+            window=4,
+            kernel=3,
+            query_aware=query_aware,
+            head_priors=priors,
+            kvzap_model=tiny_kvzap_file(tiny_loaded(), KVZAP_DIR),
         )
         for i, m in enumerate(ALL_METHODS)
     ]
@@ -276,3 +289,47 @@ def test_sweep_decode_groups_and_stacked_caches():
             assert torch.equal(stacked.kept_positions(layer, 0, head), first.kept_positions(layer, 0, head))
             assert torch.equal(stacked.kept_positions(layer, 1, head), second.kept_positions(layer, 0, head))
     assert stacked.context_entries.tolist() == first.context_entries.tolist() + second.context_entries.tolist()
+
+
+@pytest.mark.parametrize("method", ["kvzap", "criticalkv-shares-kvzap", "layer-knorm", "adakv-snapkv"])
+def test_chunked_prefill_batches_like_one_by_one_and_one_chunk_is_one_pass(method):
+    requests = [
+        Request("a", TEXT * 4, ["What is packed?"]),
+        Request("b", TEXT[:50], ["Who is lazy?"], answer_prefix="The"),
+        Request("c", TEXT * 2 + "Sphinx of black quartz.", ["Judge my vow?", "Why?"]),
+    ]
+    runs = {}
+    for label, batch, chunk in (("batched", 3, 64), ("alone", 1, 64), ("one-chunk", 3, 4096), ("one-pass", 3, None)):
+        answers = _engine(method=method, cache_size=0.4, batch_size=batch, prefill_chunk=chunk).generate(requests)
+        assert all(a.error is None for a in answers)
+        runs[label] = [(a.prediction, a.kv_entries_kept) for a in answers]
+    assert runs["batched"] == runs["alone"]
+    assert runs["one-chunk"] == runs["one-pass"]
+    assert runs["batched"] != runs["one-pass"]  # 64-token chunks really evicted before the context ended
+
+
+def test_sweep_decodes_a_chunked_setting_from_its_own_prefill():
+    kvzap = tiny_kvzap_file(tiny_loaded(), KVZAP_DIR)
+    settings = [
+        CompressionConfig(method=m, cache_size=0.4, window=4, prefill_chunk=c, kvzap_model=kvzap)
+        for m, c in (("none", None), ("kvzap", 48), ("kvzap", None), ("criticalkv-kvzap", 48))
+    ]
+    requests = [Request("a", TEXT * 3, ["Who jumps?", "Why?"]), Request("b", TEXT, ["What?"])]
+    engine = Engine(tiny_loaded(), settings[0], GenerationConfig(max_new_tokens=8, batch_size=2))
+    swept = engine.generate_sweep(requests, settings)
+    for setting, answers in zip(settings, swept):
+        alone = Engine(tiny_loaded(), setting, GenerationConfig(max_new_tokens=8, batch_size=2)).generate(requests)
+        assert [(a.prediction, a.kv_entries_kept) for a in answers] == [
+            (a.prediction, a.kv_entries_kept) for a in alone
+        ]
+    assert [a.kv_entries_kept for a in swept[1]] != [a.kv_entries_kept for a in swept[2]] or [
+        a.prediction for a in swept[1]
+    ] != [a.prediction for a in swept[2]]
+
+
+def test_chunked_prefill_refuses_kvzip_and_the_decode_cap():
+    with pytest.raises(ValueError, match="prefill_chunk: scorer 'kvzip'"):
+        CompressionConfig(method="layer-kvzip", cache_size=0.2, prefill_chunk=512)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        CompressionConfig(method="snapkv", cache_size=0.2, prefill_chunk=512, max_cache_tokens=64)
+    CompressionConfig(method="layer-kvzip", cache_size=1.0, prefill_chunk=512)  # keeps everything: no chunking

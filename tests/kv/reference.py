@@ -246,23 +246,57 @@ def expected_attention_reference(query, key, value, window, sinks, future, covar
     return out
 
 
+def kvzap_reference(hidden, weight, bias, window, sinks):
+    """KVzap's linear predictor for ONE unpadded row: hidden [n][D], weight [H][D], bias [H] ->
+    [H][n] exp(h . w + b), +inf on the first ``sinks`` tokens and the window."""
+    n = len(hidden)
+    out = []
+    for w_h, b_h in zip(weight, bias):
+        row = [math.exp(min(sum(x * y for x, y in zip(hidden[j], w_h)) + b_h, 60.0)) for j in range(n)]
+        out.append([math.inf if (j < sinks or j >= n - window) else row[j] for j in range(n)])
+    return out
+
+
+def shares_reference(sizes, shares, budget, window, length):
+    """Shares allocation for one row: interpolate the shares at budget / length, then split the pool
+    L * H * budget as min(length, c * share) (saturating the largest first), floor, raise to the window."""
+    f = min(max(budget / length, sizes[0]), sizes[-1])
+    i = next((k for k in range(1, len(sizes)) if sizes[k] >= f), len(sizes) - 1)
+    t = (f - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+    weights = [[(1 - t) * a + t * b for a, b in zip(ra, rb)] for ra, rb in zip(shares[i - 1], shares[i])]
+    flat = [max(x, 0.0) for row in weights for x in row]
+    total = budget * len(flat)
+    capped: set[int] = set()
+    while True:
+        free = sum(x for k, x in enumerate(flat) if k not in capped)
+        c = (total - length * len(capped)) / free
+        over = [k for k, x in enumerate(flat) if k not in capped and c * x > length]
+        if not over:
+            break
+        capped.add(max(over, key=lambda k: flat[k]))
+    alloc = [length if k in capped else c * x for k, x in enumerate(flat)]
+    heads = len(shares[0][0])
+    counts = [min(max(math.floor(a + 1e-9), window), length) for a in alloc]
+    return [counts[layer * heads : (layer + 1) * heads] for layer in range(len(weights))]
+
+
 # ---------------------------------------------------------------------- per-part references
 # Every registered part has one here (tests/kv/test_parts.py fails for a part without one).
 # Scorers: (query (H_q, n, D), key (H_kv, n, D), value, window, config, scaling, observed=the pass scores of
 # a reconstruction scorer) -> [H_kv][n] for ONE unpadded row.
 SCORER_REFERENCES = {
-    "snapkv": lambda q, k, v, w, cfg, scaling, observed=None: snapkv_reference(
+    "snapkv": lambda q, k, v, w, cfg, scaling, observed=None, **_: snapkv_reference(
         q, k, q.shape[1], w, cfg.kernel, cfg.pooling, scaling
     ),
-    "streamingllm": lambda q, k, v, w, cfg, scaling, observed=None: [
+    "streamingllm": lambda q, k, v, w, cfg, scaling, observed=None, **_: [
         streamingllm_reference(k.shape[1], w, cfg.sink_tokens)
     ]
     * k.shape[0],
-    "knorm": lambda q, k, v, w, cfg, scaling, observed=None: knorm_reference(k, w),
-    "defensivekv": lambda q, k, v, w, cfg, scaling, observed=None: defensivekv_reference(
+    "knorm": lambda q, k, v, w, cfg, scaling, observed=None, **_: knorm_reference(k, w),
+    "defensivekv": lambda q, k, v, w, cfg, scaling, observed=None, **_: defensivekv_reference(
         q, k, w, cfg.defensive_kernel, scaling
     ),
-    "expected_attention": lambda q, k, v, w, cfg, scaling, observed=None: expected_attention_reference(
+    "expected_attention": lambda q, k, v, w, cfg, scaling, observed=None, **_: expected_attention_reference(
         q,
         k,
         v,
@@ -274,18 +308,23 @@ SCORER_REFERENCES = {
         cfg.vnorm_epsilon,
         q.shape[-1],
     ),
-    "kvzip": lambda q, k, v, w, cfg, scaling, observed=None: [
+    "kvzap": lambda q, k, v, w, cfg, scaling, observed=None, hidden=None, kvzap=None: kvzap_reference(
+        hidden, *kvzap, w, cfg.sink_tokens
+    ),
+    "kvzip": lambda q, k, v, w, cfg, scaling, observed=None, **_: [
         [math.inf if j >= len(row) - min(w, len(row)) else row[j] for j in range(len(row))] for row in observed
     ],
 }
-# Allocations: (scores [L][H][n], budget, window, length, config, priors [L][H]) -> [L][H] counts.
+# Allocations: (scores [L][H][n], budget, window, length, config, priors [L][H], shares=(sizes, [S][L][H]))
+# -> [L][H] counts.
 ALLOCATION_REFERENCES = {
-    "uniform": lambda s, b, w, n, cfg, priors: [[b] * len(layer) for layer in s],
-    "adakv": lambda s, b, w, n, cfg, priors: [adakv_reference(layer, b, cfg.alpha_safeguard) for layer in s],
-    "headkv": lambda s, b, w, n, cfg, priors: [
+    "uniform": lambda s, b, w, n, cfg, priors, **_: [[b] * len(layer) for layer in s],
+    "adakv": lambda s, b, w, n, cfg, priors, **_: [adakv_reference(layer, b, cfg.alpha_safeguard) for layer in s],
+    "headkv": lambda s, b, w, n, cfg, priors, **_: [
         headkv_reference(priors, i, b, w, n, cfg.alpha_safeguard) for i in range(len(s))
     ],
-    "layer": lambda s, b, w, n, cfg, priors: layer_reference(s, b),
+    "layer": lambda s, b, w, n, cfg, priors, **_: layer_reference(s, b),
+    "shares": lambda s, b, w, n, cfg, priors, shares=None: shares_reference(*shares, b, w, n),
 }
 # Selections: (scores [n], value (n, D), o_weight, kv_head, groups, head_dim, budget, window, config) -> kept indices.
 SELECTION_REFERENCES = {

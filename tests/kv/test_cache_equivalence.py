@@ -28,7 +28,7 @@ from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.rope import model_rotary
 from tests.methods import ALL_METHODS, COMPRESSING, one_method_per_part
-from tests.tiny import DEVICE, tiny_model, tiny_tokenizer
+from tests.tiny import DEVICE, tiny_kvzap_for, tiny_model, tiny_tokenizer
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama-mha"]
 FULL_MATRIX_ARCHS = ["llama", "qwen3"]
@@ -55,7 +55,8 @@ def _compressor(model, method, cache_size, tmp_path, **kw) -> Compressor:
     if cfg.needs_head_priors:
         path = _priors_file(model, tmp_path)
         priors = load_head_priors(path, model.config.num_hidden_layers, model.config.num_key_value_heads)
-    return Compressor(cfg, priors, rotary=model_rotary(model))
+    kvzap = tiny_kvzap_for(model, seed=7) if cfg.needs_kvzap_model else None
+    return Compressor(cfg, priors, rotary=model_rotary(model), kvzap=kvzap)
 
 
 def _inputs(seed=0, batch=2):

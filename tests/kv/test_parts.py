@@ -11,10 +11,11 @@ import torch
 
 from pipeline.kv.allocation import ALLOCATIONS, row_budgets
 from pipeline.kv.config import CompressionConfig, method_name
-from pipeline.kv.parts import LayerContext
+from pipeline.kv.parts import LayerContext, LayerInputs
 from pipeline.kv.scorers import SCORERS
 from pipeline.kv.selection import SELECTIONS
 from pipeline.kv.value_norms import NormStats, OutputProjection
+from tests.tiny import tiny_kvzap
 
 from .reference import ALLOCATION_REFERENCES, SCORER_REFERENCES, SELECTION_REFERENCES
 
@@ -49,7 +50,15 @@ def rotary(positions):
     return emb.cos(), emb.sin()
 
 
-def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None):
+KVZAP = tiny_kvzap(2, H_KV, HIDDEN, seed=11)
+
+
+def _hidden(pos, seed=6):
+    """Attention inputs (B, n, HIDDEN), zero on padding (KVzap's features)."""
+    return _rand(pos.shape[0], pos.shape[1], HIDDEN, seed=seed) * 0.3 * (pos >= 0)[..., None]
+
+
+def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None, kvzap=KVZAP):
     lengths = (pos >= 0).sum(-1)
     row_b, row_w = row_budgets(lengths, config.cache_size, config.budget, config.window)
     proj = OutputProjection.from_weight(o_weight if o_weight is not None else _rand(HIDDEN, H_Q * D, seed=9), H_KV, D)
@@ -62,9 +71,10 @@ def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None):
         lengths=lengths,
         row_budget=row_b,
         row_window=row_w,
-        observed=scorer.observe(q, pos, config, rotary),
+        observed=scorer.observe(q, pos, config, rotary, inputs=LayerInputs(layer, _hidden(pos), kvzap)),
         projection=lambda: proj,
         head_priors=priors,
+        kvzap=kvzap,
     )
 
 
@@ -91,7 +101,15 @@ def test_scorer_matches_reference(name):
         assert torch.isneginf(got[b, :, :pad]).all(), "padding must score -inf"
         observed = None if passes is None else passes[b, :, pad:].tolist()
         ref = SCORER_REFERENCES[name](
-            q[b, :, pad:], k[b, :, pad:], v[b, :, pad:], min(WINDOW, length), cfg, D**-0.5, observed=observed
+            q[b, :, pad:],
+            k[b, :, pad:],
+            v[b, :, pad:],
+            min(WINDOW, length),
+            cfg,
+            D**-0.5,
+            observed=observed,
+            hidden=_hidden(pos)[b, pad:].tolist(),
+            kvzap=(KVZAP.tensors["weight"][0].tolist(), KVZAP.tensors["bias"][0].tolist()),
         )
         for h in range(H_KV):
             for j in range(length):
@@ -132,7 +150,8 @@ def test_allocation_matches_reference(name):
     for b, length in enumerate(LENGTHS):
         budget, window = int(contexts[0].row_budget[b]), int(contexts[0].row_window[b])
         rows = [s[b, :, n - length :].tolist() for s in scores]
-        ref = ALLOCATION_REFERENCES[name](rows, budget, window, length, cfg, priors.tolist())
+        shares = (KVZAP.share_sizes.tolist(), KVZAP.shares.tolist())
+        ref = ALLOCATION_REFERENCES[name](rows, budget, window, length, cfg, priors.tolist(), shares=shares)
         assert [g[b].tolist() for g in got] == ref
 
 

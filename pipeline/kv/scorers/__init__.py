@@ -1,7 +1,7 @@
 """Scorers: one module each, registered here by name (see :mod:`pipeline.kv.parts`)."""
 
 from ..parts import Registry, Scorer
-from . import defensivekv, expected_attention, knorm, kvzip, snapkv, streamingllm
+from . import defensivekv, expected_attention, knorm, kvzap, kvzip, snapkv, streamingllm
 
 SCORERS: Registry[Scorer] = Registry(
     "scorer",
@@ -12,5 +12,6 @@ SCORERS: Registry[Scorer] = Registry(
         defensivekv.DefensiveKV(),
         expected_attention.ExpectedAttention(),
         kvzip.KVzip(),
+        kvzap.KVzap(),
     ],
 )

@@ -87,7 +87,7 @@ class ExpectedAttention(Scorer):
     options = (SinkOptions, ExpectedAttentionOptions)
     summary = "expected attention of future queries from the context's query statistics (arXiv 2510.00636)"
 
-    def observe(self, query, key_pos, config, rotary=None) -> QueryStatistics:
+    def observe(self, query, key_pos, config, rotary=None, inputs=None) -> QueryStatistics:
         if rotary is None:
             raise ValueError("expected_attention needs the model's rotary embedding (Compressor(rotary=...))")
         return query_statistics(

@@ -34,7 +34,7 @@ class KVzip(Scorer):
     summary = "attention needed to reconstruct the context in teacher-forced passes (arXiv 2505.23416)"
     needs_reconstruction = True
 
-    def observe(self, query, key_pos, config, rotary=None) -> None:
+    def observe(self, query, key_pos, config, rotary=None, inputs=None) -> None:
         return None  # the scores come from the reconstruction passes, after the prefill
 
     def score(self, ctx: LayerContext, config) -> torch.Tensor:

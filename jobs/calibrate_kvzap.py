@@ -1,0 +1,16 @@
+"""KVzap calibration: the learned one-pass scorer and its cross-layer shares for a model, as safetensors.
+
+    python jobs/calibrate_kvzap.py --model smollm2 --output kvzap.safetensors [--lengths 512,1024,2048]
+
+All options: --help. The work is done by pipeline.apps.calibrate_kvzap (this file only starts it).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
+
+from pipeline.apps.calibrate_kvzap import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main())

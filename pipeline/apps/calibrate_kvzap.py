@@ -1,0 +1,140 @@
+"""``jobs/calibrate_kvzap.py``: the learned one-pass scorer (KVzap) and its cross-layer shares for
+one model, written as a safetensors file.
+
+    python jobs/calibrate_kvzap.py --model smollm2 --output kvzap.safetensors [--lengths 512,1024,2048]
+
+Documents are generated offline (:mod:`pipeline.eval.kvzap_data`); Ray actors (``--actors``, each
+holding the model) compute KVzip+ targets per document (:func:`pipeline.eval.kvzap_calibration.
+document_targets`); the driver fits one predictor per layer on the training documents, reports the
+fit on the held-out ones, and writes the file ``--kvzap-model`` reads (:mod:`pipeline.engine.kvzap_file`).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from typing import Literal
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.distributed.cluster import ensure_ray
+from pipeline.engine.config import ModelConfig
+from pipeline.engine.kvzap_file import model_fingerprint, write_kvzap
+from pipeline.engine.loading import load_model
+from pipeline.eval.kvzap_calibration import DocumentTargets, document_targets, fit
+from pipeline.eval.kvzap_data import calibration_documents
+from pipeline.options import OptionParser, fail
+
+
+class KVzapCalibrationJob(BaseModel):
+    """KVzap calibration"""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output: str = Field(description="KVzap safetensors file to write")
+    lengths: list[int] = Field([512, 1024, 2048, 4096], description="context lengths of the documents (tokens)")
+    documents: list[int] = Field(
+        [16, 16, 16, 8], description="documents per length (one number for all, or one per length)"
+    )
+    sample_tokens: int = Field(256, ge=8, description="entries sampled per document for fitting")
+    validation: float = Field(0.25, gt=0.0, lt=1.0, description="fraction of the documents held out for the fit report")
+    kind: Literal["linear", "mlp"] = Field("linear", description="predictor per layer: ridge regression or MLP")
+    alpha: float = Field(1e-3, gt=0.0, description="ridge strength, relative to the mean feature variance")
+    mlp_width: int = Field(512, ge=8, description="hidden width of the MLP predictor")
+    mlp_epochs: int = Field(15, ge=1, description="training epochs of the MLP predictor")
+    share_sizes: list[float] = Field(
+        [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9], description="kept fractions at which the shares are calibrated"
+    )
+    seed: int = Field(0, description="seed of the documents and of the sampled entries")
+    actors: int = Field(1, ge=1, description="Ray actors computing targets (each holds the model)")
+    cpus_per_actor: float = Field(2.0, gt=0, description="CPUs per actor")
+    gpus_per_actor: float = Field(0.0, ge=0, description="GPUs per actor")
+    ray_address: str | None = Field(None, description="Ray cluster to join (default: $RAY_ADDRESS or a local Ray)")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+
+
+class TargetWorker:
+    """Ray actor body: one engine, KVzip+ targets per document."""
+
+    def __init__(self, model: dict) -> None:
+        from pipeline.engine.engine import Engine  # inside the actor: the model loads there
+
+        self.engine = Engine(load_model(ModelConfig.model_validate(model)))
+
+    def targets(self, doc: dict, sample_tokens: int, share_sizes: list[float], seed: int) -> DocumentTargets:
+        return document_targets(self.engine, doc, sample_tokens, share_sizes, seed)
+
+
+def _per_length(config: KVzapCalibrationJob) -> list[int]:
+    if len(config.documents) == 1:
+        return config.documents * len(config.lengths)
+    if len(config.documents) != len(config.lengths):
+        fail(f"invalid --documents: give one number or one per length ({len(config.lengths)})")
+    return config.documents
+
+
+def _collect(config: KVzapCalibrationJob, docs: list[dict], log) -> list[DocumentTargets]:
+    started_here, address = ensure_ray(config.ray_address)
+    log(f"Ray: {address}; {config.actors} actor(s), {len(docs)} documents")
+    try:
+        worker = ray.remote(num_cpus=config.cpus_per_actor, num_gpus=config.gpus_per_actor)(TargetWorker)
+        actors = [worker.remote(config.model.model_dump(mode="json")) for _ in range(config.actors)]
+        pool = ray.util.ActorPool(actors)
+        args = (config.sample_tokens, config.share_sizes, config.seed)
+        results = []
+        for i, result in enumerate(pool.map(lambda a, d: a.targets.remote(d, *args), docs)):
+            results.append(result)
+            log(f"{i + 1}/{len(docs)} {result.doc_id}")
+        return results
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _split(targets: list[DocumentTargets], validation: float, seed: int) -> tuple[list, list]:
+    """Per length, ``round(validation * n)`` (at least one) documents drawn at random are held out."""
+    held_ids: set[str] = set()
+    for length in sorted({t.length for t in targets}):
+        ids = [t.doc_id for t in targets if t.length == length]
+        held_ids.update(random.Random(f"{seed}/{length}").sample(ids, max(1, round(validation * len(ids)))))
+    train = [t for t in targets if t.doc_id not in held_ids]
+    held = [t for t in targets if t.doc_id in held_ids]
+    if not train:
+        fail("too few documents to hold some out: raise --documents")
+    return train, held
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OptionParser(KVzapCalibrationJob, prog="jobs/calibrate_kvzap.py", description=__doc__.splitlines()[0])
+    config, _ = parser.parse(argv)
+    if not config.lengths or any(n < 64 for n in config.lengths):
+        fail("invalid --lengths: give lengths of at least 64 tokens")
+    if sorted(config.share_sizes) != config.share_sizes or not all(0 < s <= 1 for s in config.share_sizes):
+        fail("invalid --share-sizes: ascending fractions in (0, 1]")
+    t0 = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+    loaded = load_model(config.model)
+    count = lambda text: len(loaded.tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    docs = []
+    for length, n in zip(config.lengths, _per_length(config)):
+        docs += calibration_documents([length], n, count, config.seed)
+    train, held = _split(_collect(config, docs, log), config.validation, config.seed)
+    model, report = fit(
+        train, held, config.share_sizes, config.kind, config.alpha, config.mlp_width, config.mlp_epochs,
+        config.seed, progress=log,
+    )  # fmt: skip
+    settings = config.model_dump(mode="json", exclude={"output", "ray_address", "actors"})
+    settings.update(train_documents=len(train), held_out_documents=len(held), seconds=round(time.perf_counter() - t0))
+    path = write_kvzap(config.output, model, config.model.name, model_fingerprint(loaded.model), report, settings)
+    mean = report["mean"]
+    print(
+        f"held-out fit over {len(held)} documents: R2 {mean['r2']:.3f}, Spearman {mean['spearman']:.3f}, "
+        f"top-20% overlap {mean['top20_overlap']:.3f} (mean of {len(report['layers'])} layers)"
+    )
+    print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - t0:.0f}s")
+    return 0

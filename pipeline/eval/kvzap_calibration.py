@@ -1,0 +1,207 @@
+"""Calibrating the learned one-pass scorer (KVzap, arXiv 2601.07891) on the model itself.
+
+Per calibration document (:mod:`pipeline.eval.kvzap_data`), :func:`document_targets`:
+
+1. prefills the context as the engine encodes it (chat template, query-agnostic) while recording
+   every layer's attention input h (B=1, n, hidden);
+2. runs KVzip's context-reconstruction passes with KVzip+ weighting on the held dense cache (the
+   engine's own passes, :mod:`pipeline.engine.reconstruction`): the true score per (layer, KV head,
+   entry) ``max_{j,g} a_ji^g ||V_i W_O^g|| / ||h_j||``;
+3. keeps ``sample_tokens`` random entries after the template prefix (KVzip's sinks, always kept) as
+   (h_i, log score) pairs per layer, and, at each kept fraction of ``share_sizes``, what the global
+   top-k of those scores over every layer and head (the ``layer`` allocation, window included) gives
+   each (layer, KV head), divided by the mean head budget.
+
+:func:`fit` then fits one predictor per layer on the training documents (``linear``: ridge
+regression in closed form; ``mlp``: D -> width -> GELU -> H_kv, AdamW on the squared error), and
+measures it on the held-out documents: R^2 of the log-scores, Spearman rank correlation per KV head
+(mean), and the overlap of the predicted and true top 20 % per head. Shares are the mean over every
+document. :func:`pipeline.engine.kvzap_file.write_kvzap` writes the result.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.types import Request
+from ..kv.allocation import row_budgets
+from ..kv.allocation.layer import layer_head_budgets
+from ..kv.attention import recorded_attention_inputs
+from ..kv.cache import VarLenCache
+from ..kv.compress import Compressor
+from ..kv.config import CompressionConfig
+from ..kv.kvzap_model import KVzapModel
+from ..kv.scorers.common import finalise
+
+MIN_SCORE = 1e-12  # log of a zero score
+
+
+@dataclass
+class DocumentTargets:
+    """One document's training pairs: hidden (L, m, hidden), log_scores (L, H_kv, m) float32 at the
+    sampled prompt positions ``positions`` (m,), and shares (S, L, H_kv) (what the global top-k gave
+    each head / the mean head budget)."""
+
+    doc_id: str
+    kind: str
+    length: int
+    hidden: torch.Tensor
+    log_scores: torch.Tensor
+    shares: torch.Tensor
+    positions: torch.Tensor
+
+
+def _global_shares(scores: list[torch.Tensor], key_pos: torch.Tensor, sizes: list[float], window: int):
+    """(S, L, H_kv): the ``layer`` allocation's counts over the mean head budget, at each kept fraction."""
+    lengths = (key_pos >= 0).sum(-1)
+    out = []
+    for size in sizes:
+        budget, win = row_budgets(lengths, size, None, window)
+        final = [finalise(s, key_pos, win) for s in scores]
+        counts = torch.stack(layer_head_budgets(final, budget), dim=1)[0]  # (L, H_kv)
+        out.append(counts.double() / float(budget[0]))
+    return torch.stack(out).float()
+
+
+@torch.inference_mode()
+def document_targets(engine, doc: dict, sample_tokens: int, share_sizes: list[float], seed: int) -> DocumentTargets:
+    """Training pairs of one calibration document (see the module docstring)."""
+    config = CompressionConfig(method="layer-kvzip", cache_size=0.5, kvzip_plus=True)
+    request = Request(doc["doc_id"], doc["context"], ["Summarize."])
+    rows = engine._rows_for(request)[:1]
+    cache = VarLenCache(engine.shape.num_layers, Compressor(config))
+    hidden: dict[int, torch.Tensor] = {}
+    with recorded_attention_inputs(engine.model, hidden):
+        engine.decoder.prefill(rows, cache, config.cache_size)
+    scores = engine.reconstruction.scores(
+        [rows[0].prompt.context_ids], [rows[0].prompt.prefix_tokens], cache.pending, config.reconstruction_chunk, True
+    )
+    key_pos = cache.pending[0].key_pos
+    shares = _global_shares(scores, key_pos, share_sizes, config.window)
+    prefix, n = rows[0].prompt.prefix_tokens, key_pos.shape[1]
+    candidates = [i for i in range(n) if int(key_pos[0, i]) >= prefix]
+    picked = sorted(random.Random(f"{seed}/{doc['doc_id']}").sample(candidates, min(sample_tokens, len(candidates))))
+    index = torch.tensor(picked, device=key_pos.device)
+    layers = range(engine.shape.num_layers)
+    h = torch.stack([hidden[i][0, index].float().cpu() for i in layers])
+    y = torch.stack([scores[i][0][:, index].clamp(min=MIN_SCORE).log().cpu() for i in layers])
+    return DocumentTargets(doc["doc_id"], doc["kind"], doc["length"], h, y, shares, index.cpu())
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def ridge(x: torch.Tensor, y: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge regression with an intercept, in float64. x: (N, D), y: (N, H) -> weight (H, D), bias (H,).
+    ``alpha`` is relative to the mean diagonal of the centred Gram matrix (scale-free)."""
+    x, y = x.double(), y.double()
+    mx, my = x.mean(0), y.mean(0)
+    xc, yc = x - mx, y - my
+    gram = xc.T @ xc
+    reg = alpha * float(gram.diagonal().mean())
+    weight = torch.linalg.solve(gram + reg * torch.eye(gram.shape[0], dtype=gram.dtype), xc.T @ yc).T
+    return weight.float(), (my - weight.double() @ mx).float()
+
+
+def train_mlp(x: torch.Tensor, y: torch.Tensor, width: int, epochs: int, seed: int) -> dict[str, torch.Tensor]:
+    """D -> width -> GELU -> H MLP on the squared error (AdamW lr 5e-3, batch 512, as KVzap's training)."""
+    gen = torch.Generator().manual_seed(seed)
+    mlp = torch.nn.Sequential(torch.nn.Linear(x.shape[1], width), torch.nn.GELU(), torch.nn.Linear(width, y.shape[1]))
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.0))
+        mlp[2].bias.copy_(y.mean(0))
+    opt = torch.optim.AdamW(mlp.parameters(), lr=5e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+    with torch.enable_grad(), torch.inference_mode(False):
+        for _ in range(epochs):
+            for batch in torch.randperm(x.shape[0], generator=gen).split(512):
+                loss = torch.nn.functional.mse_loss(mlp(x[batch]), y[batch])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            sched.step()
+    w1, b1, w2, b2 = (p.detach().clone() for p in mlp.parameters())
+    return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
+
+
+def _ranks(v: torch.Tensor) -> torch.Tensor:
+    return v.argsort(dim=-1).argsort(dim=-1).double()
+
+
+def fit_quality(pred: torch.Tensor, true: torch.Tensor, top: float = 0.2) -> dict:
+    """pred / true: (H, N) log-scores of held-out entries -> R^2 (over all), mean Spearman and
+    mean top-``top`` overlap over heads."""
+    pred, true = pred.double(), true.double()
+    r2 = 1.0 - float(((pred - true) ** 2).sum() / ((true - true.mean(-1, keepdim=True)) ** 2).sum())
+    rp, rt = _ranks(pred), _ranks(true)
+    rp, rt = rp - rp.mean(-1, keepdim=True), rt - rt.mean(-1, keepdim=True)
+    spearman = (rp * rt).sum(-1) / (rp.norm(dim=-1) * rt.norm(dim=-1)).clamp(min=1e-12)
+    k = max(1, int(round(top * pred.shape[-1])))
+    overlap = [len(set(p.topk(k).indices.tolist()) & set(t.topk(k).indices.tolist())) / k for p, t in zip(pred, true)]
+    return {
+        "r2": round(r2, 4),
+        "spearman": round(float(spearman.mean()), 4),
+        "top20_overlap": round(sum(overlap) / len(overlap), 4),
+    }
+
+
+def _layer_data(targets: list[DocumentTargets], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.cat([t.hidden[layer] for t in targets])
+    y = torch.cat([t.log_scores[layer].T for t in targets])
+    return x, y
+
+
+def fit(
+    train: list[DocumentTargets],
+    held_out: list[DocumentTargets],
+    share_sizes: list[float],
+    kind: str = "linear",
+    alpha: float = 1e-3,
+    mlp_width: int = 512,
+    mlp_epochs: int = 15,
+    seed: int = 0,
+    progress=None,
+) -> tuple[KVzapModel, dict]:
+    """The predictors of every layer and the shares, plus the held-out fit report
+    ``{"layers": [{layer, r2, spearman, top20_overlap}], "mean": {...}, "per_kind": {...}}``."""
+    layers = train[0].hidden.shape[0]
+    per_layer: dict[str, list[torch.Tensor]] = {}
+    report = []
+    for layer in range(layers):
+        x, y = _layer_data(train, layer)
+        if kind == "linear":
+            weight, bias = ridge(x, y, alpha)
+            params = {"weight": weight, "bias": bias}
+        else:
+            params = train_mlp(x, y, mlp_width, mlp_epochs, seed + layer)
+        for name, tensor in params.items():
+            per_layer.setdefault(name, []).append(tensor)
+        if progress is not None:
+            progress(f"layer {layer}: fitted on {x.shape[0]} entries")
+    tensors = {name: torch.stack(ts) for name, ts in per_layer.items()}
+    shares = torch.stack([t.shares for t in train + held_out]).mean(0)
+    model = KVzapModel(kind, tensors, shares, torch.tensor(share_sizes, dtype=torch.float32))
+    for layer in range(layers):
+        report.append({"layer": layer, **_quality(model, held_out, layer)})
+    kinds = sorted({t.kind for t in held_out})
+    per_kind = {k: _mean_quality(model, [t for t in held_out if t.kind == k]) for k in kinds}
+    return model, {"layers": report, "mean": _mean_of(report), "per_kind": per_kind}
+
+
+def _quality(model: KVzapModel, docs: list[DocumentTargets], layer: int) -> dict:
+    x, y = _layer_data(docs, layer)
+    pred = model.predict(layer, x[None])[0]  # (H, N)
+    return fit_quality(pred, y.T)
+
+
+def _mean_of(rows: list[dict]) -> dict:
+    keys = ("r2", "spearman", "top20_overlap")
+    return {k: round(sum(r[k] for r in rows) / len(rows), 4) for k in keys}
+
+
+def _mean_quality(model: KVzapModel, docs: list[DocumentTargets]) -> dict:
+    return _mean_of([_quality(model, docs, layer) for layer in range(model.num_layers)])

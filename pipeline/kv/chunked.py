@@ -1,0 +1,131 @@
+"""Chunked prefill with real eviction: the context goes through the model ``prefill_chunk`` tokens at
+a time and the cache is compressed after every chunk, so the dense K/V of a long document never exist
+at once (after Fast KVzip's chunked prefill, arXiv 2601.17668; kvpress's ``BlockPress`` only masks).
+
+Per chunk k (positions [k*C, (k+1)*C) of every row; rows that already ended are padding):
+
+1. each layer's attention: the chunk's queries attend to what the cache kept of the earlier chunks
+   plus the chunk itself, causally (the first chunk: dense causal attention; later ones: the chunk is
+   appended to the variable-length store and read like a question chunk). The scorer scores the
+   chunk's own entries from the chunk alone (``observe`` on its queries / hidden states, ``score``
+   with no observation window): the entries' *raw* scores, -inf on padding, +inf on sinks;
+2. after the whole chunk (every layer), :meth:`ChunkedCompression.compress` selects, per layer, from
+   the union of the held entries (with the raw scores they were kept with) and the chunk's entries,
+   with the method's own allocation and selection at the running budget ``round(cache_size * seen)``
+   per head (``seen``: the row's tokens so far; the most recent ``window`` tokens are +inf, always
+   kept). A cross-layer allocation (``layer``) decides over every layer's union at once: what it
+   holds is the compressed cache plus one chunk per layer. The kept entries are copied into an
+   exactly sized store and the raw scores of what was kept are remembered for the next chunk.
+
+A score is the one computed when its entry's chunk went through the model: exact for scorers whose
+score of an entry depends on that entry alone (``kvzap``, ``knorm``, ``streamingllm``); window
+scorers score each chunk from its own last window. Scorers that need the whole context
+(``kvzip``'s reconstruction passes) are refused, as is the decode-time cap. One chunk as long as the
+context keeps exactly the entries of the unchunked prefill (tested).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attention import dense_prefill_attention
+from .store import VarLenLayer
+
+if TYPE_CHECKING:  # annotations only: the cache imports this module
+    from .cache import VarLenCache
+
+
+def store_from_segments(
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, rows: int, heads: int
+) -> VarLenLayer:
+    """An exactly sized store of the kept slots of per-segment padded tensors, in slot order.
+    keys/values: (S, L, D); positions: (S, L) (-1: no entry); keep: (S, L) bool; S = rows * heads."""
+    segments, width, dim = keys.shape
+    keep = keep & (positions >= 0)
+    length = keep.sum(-1).to(torch.long)
+    start = torch.cumsum(length, 0) - length
+    flat = keep.reshape(-1).nonzero().squeeze(1)
+    return VarLenLayer(
+        torch.index_select(keys.reshape(-1, dim), 0, flat),
+        torch.index_select(values.reshape(-1, dim), 0, flat),
+        torch.index_select(positions.reshape(-1).to(torch.int32), 0, flat),
+        start,
+        length,
+        length.clone(),
+        rows,
+        heads,
+    )
+
+
+def kept_in_order(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(S, L) values of the kept slots moved to the front of each segment, in slot order, -inf after."""
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+    width = max(int(keep.sum(-1).max()) if keep.numel() else 0, 1)
+    moved = torch.gather(values, 1, order[:, :width])
+    return moved.masked_fill(~torch.gather(keep, 1, order[:, :width]), float("-inf"))
+
+
+class ChunkedCompression:
+    """The state of one chunked prefill over ``cache`` (see the module docstring)."""
+
+    def __init__(self, cache: VarLenCache) -> None:
+        self.cache = cache
+        layers = cache.num_layers
+        self.held_scores: list[torch.Tensor | None] = [None] * layers  # (S, W) raw scores of held entries
+        self.chunk_scores: list[torch.Tensor | None] = [None] * layers  # (B, H, T) raw scores of the chunk
+        self.first_chunk: dict[int, tuple] = {}  # layer -> dense (key, value, positions) of the first chunk
+        self.modules: list[torch.nn.Module | None] = [None] * layers
+        self.scaling = [1.0] * layers
+
+    def attend(self, idx: int, module, query, key, value, scaling: float) -> torch.Tensor:
+        """One layer of a chunk: its attention output (B, H_q, T, D); the chunk's raw scores kept."""
+        cache, compressor = self.cache, self.cache.compressor
+        pos = cache.chunk_pos
+        observed = compressor.observe(query, pos, idx, cache.hidden_states.pop(idx, None))
+        self.chunk_scores[idx] = compressor.raw_scores(idx, module, observed, key, value, pos, scaling)
+        self.modules[idx], self.scaling[idx] = module, scaling
+        if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compress()
+            self.first_chunk[idx] = (key, value, pos)
+            return dense_prefill_attention(query, key, value, pos, scaling)
+        out, _ = cache._attend_stored(idx, query, scaling)  # update() appended the chunk to the store
+        return out
+
+    def _union(self, idx: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The layer's candidates as per-segment padded (keys, values (S, L, D), positions (S, L))
+        and their raw scores (S, L): the held entries, then the chunk's (appended after them)."""
+        chunk = self.chunk_scores[idx]  # (B, H, T)
+        bsz, heads, t = chunk.shape
+        if idx in self.first_chunk:
+            key, value, pos = self.first_chunk.pop(idx)
+            dim = key.shape[-1]
+            positions = pos[:, None, :].expand(bsz, heads, t).reshape(bsz * heads, t)
+            view = (key.reshape(-1, t, dim), value.reshape(-1, t, dim), positions)
+            return view, chunk.reshape(bsz * heads, t).masked_fill(positions < 0, float("-inf"))
+        layer = self.cache.store[idx]
+        keys, values, positions = layer.padded_view()
+        segments, width = positions.shape
+        held_count = layer.length - t  # every segment got the chunk's t slots appended (padding included)
+        scores = torch.full((segments, width), float("-inf"), device=positions.device)
+        held = self.held_scores[idx]
+        w = min(held.shape[1], width)
+        if w:
+            cols = torch.arange(w, device=positions.device)[None, :]
+            scores[:, :w] = torch.where(cols < held_count[:, None], held[:, :w], scores[:, :w])
+        target = held_count[:, None] + torch.arange(t, device=positions.device)[None, :]
+        scores.scatter_(1, target, chunk.reshape(segments, t))
+        return (keys, values, positions), scores.masked_fill(positions < 0, float("-inf"))
+
+    def compress(self, seen: torch.Tensor) -> None:
+        """Select every layer's kept entries from held + chunk at the running budget (``seen``: (B,)
+        tokens of each row so far); the store becomes exactly the kept entries."""
+        cache, compressor = self.cache, self.cache.compressor
+        bsz, heads = self.chunk_scores[0].shape[:2]
+        views, unions = zip(*(self._union(idx) for idx in range(cache.num_layers)))
+        keeps = compressor.compress_union(self.modules, views, unions, seen, self.scaling)
+        for idx, ((keys, values, positions), union, keep) in enumerate(zip(views, unions, keeps)):
+            keep = keep.reshape(positions.shape) & (positions >= 0)
+            cache.store[idx] = store_from_segments(keys, values, positions, keep, bsz, heads)
+            self.held_scores[idx] = kept_in_order(union, keep)
+            self.chunk_scores[idx] = None

@@ -1,0 +1,131 @@
+"""The learned one-pass scorer (KVzap) and its calibrated shares on tiny models: the hidden states the
+cache records are the layers' attention inputs, the kept sets follow the predictor, the shares keep
+the row's total, files are checked against the model they were made for."""
+
+import pytest
+import torch
+
+from pipeline.engine.kvzap_file import load_kvzap, model_fingerprint, read_metadata, resolve_kvzap, write_kvzap
+from pipeline.kv.attention import register
+from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.compress import Compressor
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.kvzap_model import KVzapModel
+from pipeline.kv.rope import model_rotary
+from pipeline.kv.scorers.kvzap import MAX_LOG_SCORE
+from tests.kv.reference import topk_indices
+from tests.tiny import DEVICE, tiny_kvzap, tiny_kvzap_for, tiny_loaded, tiny_model
+
+N, PAD = 40, 9  # row 1 is PAD tokens shorter (left padded)
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (2, N), generator=g).to(DEVICE)
+    pos = torch.arange(N, device=DEVICE).repeat(2, 1)
+    pos[1] = torch.arange(N, device=DEVICE) - PAD
+    pos[1, :PAD] = -1
+    ids[1, :PAD] = 258
+    return ids, pos
+
+
+def _attention_inputs(model, ids):
+    """Independent reference: each layer's input norm applied to the residual stream of one unpadded row."""
+    model.set_attn_implementation("sdpa")
+    out = model(input_ids=ids[None], output_hidden_states=True)
+    return [layer.input_layernorm(out.hidden_states[i][0]) for i, layer in enumerate(model.model.layers)]
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kept_sets_follow_the_predictor_on_the_attention_inputs(arch, kind):
+    model = tiny_model(arch, seed=2)
+    kvzap = tiny_kvzap_for(model, seed=3, kind=kind)
+    config = CompressionConfig(method="kvzap", cache_size=0.3, window=4, sink_tokens=2)
+    model.set_attn_implementation(register())
+    cache = VarLenCache(model.config.num_hidden_layers, Compressor(config, kvzap=kvzap, rotary=model_rotary(model)))
+    ids, pos = _batch()
+    run_chunk(model, cache, ids, pos)
+    for row, pad in ((0, 0), (1, PAD)):
+        n = N - pad
+        hidden = _attention_inputs(model, ids[row, pad:])
+        budget = round(0.3 * n)
+        for layer, h in enumerate(hidden):
+            pred = kvzap.predict(layer, h[None])[0]  # (H_kv, n)
+            for head in range(pred.shape[0]):
+                score = pred[head].clamp(max=MAX_LOG_SCORE)  # the scorer's exp() saturates there
+                score[:2] = float("inf")
+                score[n - 4 :] = float("inf")
+                expected = topk_indices(score.tolist(), budget)  # ties (repeated tokens in layer 0): lower index
+                assert cache.kept_positions(layer, row, head).tolist() == expected
+
+
+def test_shares_keep_the_row_total_and_follow_the_shares():
+    model = tiny_model("llama", layers=4)
+    kvzap = tiny_kvzap_for(model, seed=5)
+    config = CompressionConfig(method="shares-knorm", cache_size=0.25, window=2)
+    model.set_attn_implementation(register())
+    cache = VarLenCache(4, Compressor(config, kvzap=kvzap))
+    ids, pos = _batch(1)
+    run_chunk(model, cache, ids, pos)
+    heads = model.config.num_key_value_heads
+    for row, n in ((0, N), (1, N - PAD)):
+        counts = torch.tensor(
+            [[cache.kept_positions(layer, row, h).numel() for h in range(heads)] for layer in range(4)]
+        )
+        pool = 4 * heads * round(0.25 * n)
+        assert pool - 4 * heads <= int(counts.sum()) <= pool  # rounded down per head, never above the pool
+        shares = kvzap.shares_at(torch.tensor([round(0.25 * n) / n]))[0]
+        top, low = shares.flatten().argmax(), shares.flatten().argmin()
+        assert counts.flatten()[top] >= counts.flatten()[low]
+
+
+def test_shares_interpolate_between_calibrated_sizes():
+    shares = torch.stack([torch.full((2, 2), 1.0), torch.tensor([[2.0, 0.0], [1.0, 1.0]])])
+    model = KVzapModel(
+        "linear", {"weight": torch.zeros(2, 2, 3), "bias": torch.zeros(2, 2)}, shares, torch.tensor([0.1, 0.3])
+    )
+    got = model.shares_at(torch.tensor([0.05, 0.2, 0.3, 0.9]))
+    assert got[0].tolist() == [[1.0, 1.0], [1.0, 1.0]]  # clamped to the first size
+    torch.testing.assert_close(got[1], torch.tensor([[1.5, 0.5], [1.0, 1.0]], dtype=torch.float64))
+    assert got[2].tolist() == got[3].tolist() == [[2.0, 0.0], [1.0, 1.0]]
+
+
+def test_method_without_a_kvzap_model_is_refused():
+    with pytest.raises(ValueError, match="needs a KVzap model"):
+        Compressor(CompressionConfig(method="kvzap", cache_size=0.2))
+    Compressor(CompressionConfig(method="kvzap", cache_size=1.0))  # keeps everything: nothing to predict
+
+
+def test_file_round_trip_and_refusal_of_another_model(tmp_path):
+    loaded = tiny_loaded("llama")
+    kvzap = tiny_kvzap_for(loaded.model, seed=1, kind="mlp")
+    path = write_kvzap(tmp_path / "k.safetensors", kvzap, loaded.name, model_fingerprint(loaded.model), {"a": 1}, {})
+    back = load_kvzap(path, loaded.model, loaded.name)
+    assert back.kind == "mlp" and read_metadata(path)["fit"] == {"a": 1}
+    h = torch.randn(1, 5, loaded.model.config.hidden_size, device=DEVICE)
+    torch.testing.assert_close(back.predict(1, h), kvzap.predict(1, h))
+    other = tiny_loaded("llama", seed=9)  # same shape, other weights
+    with pytest.raises(ValueError, match="calibrated for model 'tiny-llama'.*weights differ"):
+        load_kvzap(path, other.model, "other-model")
+    qwen = tiny_loaded("qwen3")
+    with pytest.raises(ValueError, match="model_type llama vs qwen3|num_kv_heads"):
+        load_kvzap(path, qwen.model, qwen.name)
+
+
+def test_resolve_names_the_file_and_both_models(tmp_path):
+    loaded = tiny_loaded("llama")
+    kvzap = tiny_kvzap(2, 2, 64)
+    path = write_kvzap(tmp_path / "k.safetensors", kvzap, "tiny-llama", model_fingerprint(loaded.model), {}, {})
+    config = CompressionConfig(method="criticalkv-shares-kvzap", cache_size=0.2, kvzap_model=path)
+    assert resolve_kvzap(config, "tiny-llama").kvzap_model == path
+    with pytest.raises(ValueError, match="calibrated for model 'tiny-llama', but this run uses model 'smollm3'"):
+        resolve_kvzap(config, "smollm3")
+    with pytest.raises(ValueError, match="kvzap_model: file not found"):
+        resolve_kvzap(config.model_copy(update={"kvzap_model": tmp_path / "missing"}), "tiny-llama")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a file")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        resolve_kvzap(config.model_copy(update={"kvzap_model": tmp_path / "bad.safetensors"}), "tiny-llama")
+    with pytest.raises(ValueError, match="none ships for model 'tiny-llama'"):
+        resolve_kvzap(CompressionConfig(method="kvzap", cache_size=0.2), "tiny-llama")
+    assert resolve_kvzap(CompressionConfig(method="kvzap", cache_size=0.2), "smollm2").kvzap_model.is_file()
