@@ -1,14 +1,16 @@
 """Peak resident memory of one document, ours vs transformers' DynamicCache, with where it peaks.
 
-    python benchmarks/prefill_memory.py [--lengths 2048,4096] [--methods none] [--repeats 3]
+    python benchmarks/prefill_memory.py [--lengths 2048,4096] [--methods none,kvzap[prefill_chunk=1024]]
+                                        [--repeats 3 | 3,3,1] [--plot peaks.png]
 
 For each length and side, a fresh Python process loads SmolLM2 (fp32, CPU), answers one short and
 one full-size document as warm-up, then answers the measured document while a thread samples the
 process' resident set (``/proc/self/statm``) every 0.2 ms. Forward pre-hooks on the decoder layers
 and the LM head mark the timeline, so the report says in which layer (or stage) the peak fell.
 
-* **ours**: ``Engine.generate`` with ``--methods`` (``none`` = the full cache): context prefill into
-  the variable-length cache, question, greedy answer of ``--new-tokens`` tokens;
+* **ours**: ``Engine.generate`` with ``--methods`` (``none`` = the full cache; ``NAME[knob=value,...]``
+  overrides knobs, e.g. a chunked prefill): context prefill into the variable-length cache, question,
+  greedy answer of ``--new-tokens`` tokens;
 * **transformers**: the same model with SDPA attention and a ``DynamicCache``: ``model.model`` over
   the context, then the question and the same number of greedy steps. This is what kvpress's
   pipeline runs for a document without a press (its context prefill calls ``model.model`` with a
@@ -40,6 +42,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from roofline import header, parse_ints, table  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent))
+from pipeline.options import split_top_level  # noqa: E402
 
 QUESTION = "What is the special magic number mentioned in the text?"
 
@@ -137,13 +142,14 @@ def worker(args) -> None:
 
     from pipeline.engine.config import GenerationConfig, ModelConfig
     from pipeline.engine.engine import Engine
+    from pipeline.eval.sweep import parse_variant
     from pipeline.kv.config import CompressionConfig
 
     torch.set_num_threads(args.threads)
-    method = "none" if args.side == "transformers" else args.side
+    method, overrides = parse_variant("none" if args.side == "transformers" else args.side)
     engine = Engine.from_config(
         ModelConfig(name=args.model),
-        CompressionConfig(method=method, cache_size=args.cache_size),
+        CompressionConfig.model_validate({"method": method, "cache_size": args.cache_size, **overrides}),
         GenerationConfig(max_new_tokens=args.new_tokens),
     )
     result = measure(engine, "transformers" if args.side == "transformers" else "ours", args.length, args.new_tokens)
@@ -175,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="none", help="our methods, comma-separated (none = full cache)")
     p.add_argument("--cache-size", type=float, default=0.2, help="for compressed methods")
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="fresh processes per side and length")
+    p.add_argument(
+        "--repeats", type=parse_ints, default=[3], help="fresh processes per side and length (or per length)"
+    )
+    p.add_argument("--plot", default=None, help="PNG of each side's peak against the context length")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
@@ -194,20 +203,29 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     rows = []
-    sides = ["transformers", *args.methods.split(",")]
-    for n in args.lengths:
+    sides = ["transformers", *(m.strip() for m in split_top_level(args.methods) if m.strip())]
+    repeats = args.repeats * len(args.lengths) if len(args.repeats) == 1 else args.repeats
+    if len(repeats) != len(args.lengths):
+        p.error("--repeats: give one count or one per length")
+    curves: dict[str, list[tuple[int, float]]] = {side: [] for side in sides}
+    for n, reps in zip(args.lengths, repeats):
         results: dict[str, list[dict]] = {side: [] for side in sides}
-        for _ in range(args.repeats):
+        for _ in range(reps):
             for side in sides:
                 results[side].append(run_worker(args, side, n))
+                print(f"{side} @ {n}: {mib(results[side][-1]['peak'])}", file=sys.stderr, flush=True)
         base = statistics.median(r["peak"] for r in results["transformers"])
+        full = statistics.median(r["peak"] for r in results["none"]) if "none" in results else None
         for side, runs in results.items():
             label = "transformers DynamicCache" if side == "transformers" else f"ours {side}"
             peaks = [r["peak"] for r in runs]
+            peak = statistics.median(peaks)
+            curves[side].append((n, peak / 2**20))
             where = sorted({r["where"] for r in runs})
-            ratio = f"{statistics.median(peaks) / base:.3f}" if base else "n/a"
+            ratio = f"{peak / base:.3f}" if base else "n/a"
+            vs_full = f"{peak / full:.3f}" if full else "n/a"
             spread = f"{mib(min(peaks))} – {mib(max(peaks))}"
-            rows.append([label, n, mib(statistics.median(peaks)), spread, ", ".join(where), ratio])
+            rows.append([label, n, mib(peak), spread, ", ".join(where), ratio, vs_full])
     report = "\n".join(
         [
             header("Peak RSS of one document: ours vs transformers' DynamicCache"),
@@ -215,14 +233,40 @@ def main(argv: list[str] | None = None) -> int:
             if args.mmap_threshold is not None
             else "- allocator: glibc defaults (adaptive mmap threshold)",
             "",
-            table(["side", "tokens", "peak above start (median)", "range", "peak in", "÷ transformers"], rows),
+            table(
+                ["side", "tokens", "peak above start (median)", "range", "peak in", "÷ transformers", "÷ ours none"],
+                rows,
+            ),
             "",
         ]
     )
     print(report)
     if args.out is not None:
         Path(args.out or HERE / "results" / "prefill_memory.md").write_text(report)
+    if args.plot:
+        plot_curves(curves, args.cache_size, args.plot)
     return 0
+
+
+def plot_curves(curves: dict[str, list[tuple[int, float]]], cache_size: float, path: str) -> None:
+    """Peak memory above the start (MiB) against the context length, one line per side."""
+    import matplotlib  # benchmark-only: the plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for side, points in curves.items():
+        xs, ys = zip(*points)
+        label = "transformers DynamicCache (full)" if side == "transformers" else side
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("peak memory above the start (MiB)")
+    ax.set_title(f"One document's peak memory (SmolLM2 fp32, CPU, fresh process; cache size {cache_size:g})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,17 @@ Per batch of B documents (:meth:`pipeline.engine.engine.Engine.generate_sweep`):
    (:meth:`~pipeline.kv.cache.VarLenCache.stacked`) and decoded as one batch. On CPU a decode step
    is bound by reading the weights, so g rows cost little more than one.
 
-Each setting keeps its own kept entries and bytes and its own ``compress_s``; the question and
+A chunked setting (``prefill_chunk``) cannot use the shared prefill (its later chunks attend to its own
+compressed cache): it runs its own prefill and joins a decode group with its own cache and last
+logits; its ``ttft_s`` counts its own prefill. Each setting keeps its own kept entries and bytes and
+its own ``compress_s``; the question and
 decode times of a row are those of its group (``settings_per_decode=1`` gives per-setting times).
 Peak memory covers the capture plus one group's caches.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..kv.cache import VarLenCache
 from ..kv.capture import CaptureCache
@@ -43,8 +48,9 @@ def decode_groups(compressors: list[Compressor], size: int) -> list[list[int]]:
 
 
 def _own_cache(compressor: Compressor) -> bool:
-    """Decoded alone: a decode-time cap evicts per row; a chunked prefill runs its own prefill."""
-    return compressor.config.max_cache_tokens is not None or compressor.config.chunked
+    """Decoded alone: a decode-time cap evicts per row (a chunked setting is stacked like the others,
+    with its own cache and last logits)."""
+    return compressor.config.max_cache_tokens is not None
 
 
 def _layout_key(compressor: Compressor) -> tuple:
@@ -114,11 +120,11 @@ class SweepBatch:
 
     def _decode_group(self, group: list[int], capture: CaptureCache, passes: dict, ctx_len, logits) -> None:
         """Build the group's caches, stack them, answer every round; store each setting's share."""
-        built, caches = [], []
+        built, caches, first_logits = [], [], []
         for index in group:
-            own_prefill = None
+            own_prefill, own_logits = None, logits
             if self.compressors[index].config.chunked:  # its own prefill: later chunks see the compressed cache
-                cache, logits, own_prefill = self._chunked_prefill(self.compressors[index])
+                cache, own_logits, own_prefill = self._chunked_prefill(self.compressors[index])
                 seconds = cache.compress_seconds
             else:
                 scores, pass_s = passes.get(reconstruction_key(self.compressors[index]), (None, 0.0))
@@ -126,6 +132,7 @@ class SweepBatch:
                 seconds = cache.compress_seconds + pass_s
             built.append((cache.context_entries.tolist(), cache.context_bytes.tolist(), seconds, own_prefill))
             caches.append(cache)
+            first_logits.append(own_logits)
         cache = caches[0] if len(caches) == 1 else VarLenCache.stacked(caches)
         del caches  # the stacked copy is all that stays alive
         g, b = len(group), len(self.rows)
@@ -133,7 +140,7 @@ class SweepBatch:
         refs = None if self.reference is None else [[x.reference_tokens for x in rnd] * g for rnd in self.reference]
         own = self.reference is None and not self.compressors[group[0]].config.compresses
         per_round = decoder.answer_rounds(
-            cache, self.rows * g, ctx_len.repeat(g), logits.repeat(g, 1), self.limits * g, refs, own_reference=own
+            cache, self.rows * g, ctx_len.repeat(g), torch.cat(first_logits), self.limits * g, refs, own_reference=own
         )
         if own:
             self.reference = per_round

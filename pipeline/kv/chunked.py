@@ -32,6 +32,7 @@ import torch
 
 from .attention import dense_prefill_attention
 from .store import VarLenLayer
+from .varlen_kernels import sdpa_varlen_attention
 
 if TYPE_CHECKING:  # annotations only: the cache imports this module
     from .cache import VarLenCache
@@ -89,8 +90,10 @@ class ChunkedCompression:
         if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compress()
             self.first_chunk[idx] = (key, value, pos)
             return dense_prefill_attention(query, key, value, pos, scaling)
-        out, _ = cache._attend_stored(idx, query, scaling)  # update() appended the chunk to the store
-        return out
+        # update() appended the chunk to the store: one masked SDPA over its padded view (the decode
+        # kernels are built for a few queries; a chunk has hundreds)
+        keys, values, positions = cache.store[idx].padded_view()
+        return sdpa_varlen_attention(query, keys, values, positions, cache.query_pos, scaling)
 
     def _union(self, idx: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The layer's candidates as per-segment padded (keys, values (S, L, D), positions (S, L))
