@@ -1,7 +1,7 @@
 """Answer questions about long documents on Ray with CriticalKV-compressed KV caches.
 
     python jobs/longdoc_qa.py                                   # built-in samples, SmolLM2, CPU
-    python jobs/longdoc_qa.py --input docs.parquet --output OUT --method criticalkv-layer-kvzip --cache-size 0.4
+    python jobs/longdoc_qa.py --input docs.parquet --output OUT --method criticalkv-shares-kvzap --cache-size 0.4
     ray job submit --working-dir . -- python jobs/longdoc_qa.py --input ... --output /shared/OUT
 
 Rerunning into the same --output resumes: only documents without committed rows are processed.

@@ -59,6 +59,8 @@ DEFAULT_METHODS = [
     "kvzip",
     "layer-kvzip",
     "criticalkv-layer-kvzip",
+    "shares-kvzap",
+    "criticalkv-shares-kvzap",
 ]
 
 

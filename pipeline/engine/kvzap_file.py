@@ -133,7 +133,8 @@ def resolve_kvzap(config: CompressionConfig, model_name: str) -> CompressionConf
         if shipped is None:
             raise ValueError(
                 f"kvzap_model: method {config.method!r} needs a KVzap file and none ships for model "
-                f"{model_name!r}; make one with jobs/calibrate_kvzap.py --model {model_name} and pass --kvzap-model"
+                f"{model_name!r}; make one with jobs/calibrate_kvzap.py --model {model_name} and pass --kvzap-model, "
+                "or choose a method without kvzap / shares (e.g. --method criticalkv-layer-kvzip)"
             )
         return config.model_copy(update={"kvzap_model": shipped})
     if not Path(config.kvzap_model).is_file():

@@ -137,6 +137,13 @@ def resolve_model_path(config: ModelConfig) -> tuple[str, dict]:
     return name, {"local_files_only": True}
 
 
+def model_may_exist(name: str) -> bool:
+    """Cheaply: a bundled short name, an existing path, or a hub id in the local cache (no loading)."""
+    if name.lower() in SHORT_NAMES or Path(name).expanduser().exists():
+        return True
+    return not name.startswith((".", "/", "~")) and hub_id_is_cached(name)
+
+
 def hub_id_is_cached(repo_id: str) -> bool:
     """A hub model id whose ``config.json`` is in the local Hugging Face cache (no network)."""
     try:

@@ -91,14 +91,14 @@ def test_yaml_then_flags_layering(tmp_path):
 def test_job_defaults_and_fresh_output_dir():
     qa = config_from_args("longdoc_qa", [])
     assert qa.job == "longdoc_qa" and qa.input is None and qa.model.name == "smollm2"
-    assert qa.compression.method == DEFAULT_JOB_METHOD == "criticalkv-layer-kvzip"
+    assert qa.compression.method == DEFAULT_JOB_METHOD == "criticalkv-shares-kvzap"
     assert qa.compression.cache_size == DEFAULT_JOB_CACHE_SIZE and str(qa.output).startswith("outputs/longdoc_qa-")
     summary = config_from_args("summarize", ["--max-new-tokens", "50"])
     assert summary.instruction and summary.generation.max_new_tokens == 50
     assert str(summary.output).startswith("outputs/summarize-")
     # a flag over the job's default method keeps the rest of it: selection stays criticalkv
     partial = config_from_args("longdoc_qa", ["--allocation", "adakv", "--cache-size", "0.3"])
-    assert partial.compression.method == "criticalkv-adakv-kvzip" and partial.compression.cache_size == 0.3
+    assert partial.compression.method == "criticalkv-adakv-kvzap" and partial.compression.cache_size == 0.3
     assert config_from_args("longdoc_qa", ["--method", "none"]).compression.method == "none"
 
 
@@ -193,3 +193,21 @@ def test_missing_model_file_fails_before_ray(tmp_path, monkeypatch):
         check_model(config)
     assert info.value.field == "model.name" and "GGUF file not found" in str(info.value)
     check_model(config.model_copy(update={"ray_address": "ray://cluster:10001"}))  # may exist on the workers only
+
+
+def test_a_kvzap_file_made_for_another_model_fails_before_ray_with_exit_code_2(tmp_path, capsys):
+    from tests.tiny import tiny_kvzap_file, tiny_loaded
+
+    path = tiny_kvzap_file(tiny_loaded("llama"), tmp_path)  # calibrated for "tiny-llama"
+    cases = [
+        (["--kvzap-model", str(path)], "was calibrated for model 'tiny-llama', but this run uses model 'smollm2'"),
+        (["--kvzap-model", str(tmp_path / "none.safetensors")], "kvzap_model: file not found"),
+        (["--model", str(tmp_path), "--method", "shares-snapkv"], f"none ships for model '{tmp_path}'"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as info:
+            config_from_args("longdoc_qa", argv + ["--output", str(tmp_path / "o")])
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
+    # the default method on the bundled model resolves the shipped file
+    assert config_from_args("longdoc_qa", ["--output", str(tmp_path / "o")]).compression.kvzap_model is None
