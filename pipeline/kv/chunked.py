@@ -37,6 +37,8 @@ from .varlen_kernels import sdpa_varlen_attention
 if TYPE_CHECKING:  # annotations only: the cache imports this module
     from .cache import VarLenCache
 
+QUERY_BLOCK = 256  # chunk queries per attention call over the held entries
+
 
 def store_from_segments(
     keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, rows: int, heads: int
@@ -90,26 +92,33 @@ class ChunkedCompression:
         if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compress()
             self.first_chunk[idx] = (key, value, pos)
             return dense_prefill_attention(query, key, value, pos, scaling)
-        # update() appended the chunk to the store: one masked SDPA over its padded view (the decode
-        # kernels are built for a few queries; a chunk has hundreds)
+        # update() appended the chunk to the store: masked SDPA over its padded view (the decode kernels
+        # are built for a few queries; a chunk has hundreds), QUERY_BLOCK queries at a time so that the
+        # (queries x entries) weights stay small next to the cache
         keys, values, positions = cache.store[idx].padded_view()
-        return sdpa_varlen_attention(query, keys, values, positions, cache.query_pos, scaling)
+        out = torch.empty_like(query)
+        for begin in range(0, query.shape[2], QUERY_BLOCK):
+            block = slice(begin, begin + QUERY_BLOCK)
+            out[:, :, block] = sdpa_varlen_attention(
+                query[:, :, block], keys, values, positions, cache.query_pos[:, block], scaling
+            )
+        return out
 
-    def _union(self, idx: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """The layer's candidates as per-segment padded (keys, values (S, L, D), positions (S, L))
-        and their raw scores (S, L): the held entries, then the chunk's (appended after them)."""
+    def _candidates(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's candidates' positions (S, L) (-1: none) and raw scores (S, L), per segment: the
+        held entries, then the chunk's (appended after them in every segment, padding included)."""
         chunk = self.chunk_scores[idx]  # (B, H, T)
         bsz, heads, t = chunk.shape
         if idx in self.first_chunk:
-            key, value, pos = self.first_chunk.pop(idx)
-            dim = key.shape[-1]
+            pos = self.first_chunk[idx][2]
             positions = pos[:, None, :].expand(bsz, heads, t).reshape(bsz * heads, t)
-            view = (key.reshape(-1, t, dim), value.reshape(-1, t, dim), positions)
-            return view, chunk.reshape(bsz * heads, t).masked_fill(positions < 0, float("-inf"))
+            return positions, chunk.reshape(bsz * heads, t).masked_fill(positions < 0, float("-inf"))
         layer = self.cache.store[idx]
-        keys, values, positions = layer.padded_view()
+        index, live = layer.padded_index()
+        positions = torch.index_select(layer.positions, 0, index.reshape(-1)).view(index.shape).long()
+        positions = positions.masked_fill(~live, -1)
         segments, width = positions.shape
-        held_count = layer.length - t  # every segment got the chunk's t slots appended (padding included)
+        held_count = layer.length - t
         scores = torch.full((segments, width), float("-inf"), device=positions.device)
         held = self.held_scores[idx]
         w = min(held.shape[1], width)
@@ -118,17 +127,29 @@ class ChunkedCompression:
             scores[:, :w] = torch.where(cols < held_count[:, None], held[:, :w], scores[:, :w])
         target = held_count[:, None] + torch.arange(t, device=positions.device)[None, :]
         scores.scatter_(1, target, chunk.reshape(segments, t))
-        return (keys, values, positions), scores.masked_fill(positions < 0, float("-inf"))
+        return positions, scores.masked_fill(positions < 0, float("-inf"))
+
+    def _keys_values(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's candidates' keys and values (S, L, D), aligned with :meth:`_candidates`."""
+        if idx in self.first_chunk:
+            key, value, _ = self.first_chunk.pop(idx)
+            return key.reshape(-1, key.shape[2], key.shape[3]), value.reshape(-1, value.shape[2], value.shape[3])
+        keys, values, _ = self.cache.store[idx].padded_view()
+        return keys, values
 
     def compress(self, seen: torch.Tensor) -> None:
         """Select every layer's kept entries from held + chunk at the running budget (``seen``: (B,)
-        tokens of each row so far); the store becomes exactly the kept entries."""
+        tokens of each row so far); the store becomes exactly the kept entries. Budgets are decided
+        from every layer's scores first; then one layer's candidate K/V exist at a time."""
         cache, compressor = self.cache, self.cache.compressor
         bsz, heads = self.chunk_scores[0].shape[:2]
-        views, unions = zip(*(self._union(idx) for idx in range(cache.num_layers)))
-        keeps = compressor.compress_union(self.modules, views, unions, seen, self.scaling)
-        for idx, ((keys, values, positions), union, keep) in enumerate(zip(views, unions, keeps)):
-            keep = keep.reshape(positions.shape) & (positions >= 0)
-            cache.store[idx] = store_from_segments(keys, values, positions, keep, bsz, heads)
-            self.held_scores[idx] = kept_in_order(union, keep)
+        positions, unions = zip(*(self._candidates(idx) for idx in range(cache.num_layers)))
+        scores, budgets, row_window = compressor.union_budgets(positions, unions, seen)
+        for idx in range(cache.num_layers):
+            keys, values = self._keys_values(idx)
+            module = self.modules[idx]
+            keep = compressor.union_select(idx, module, scores[idx], budgets[idx], keys, values, seen, row_window)
+            keep = keep.reshape(positions[idx].shape) & (positions[idx] >= 0)
+            cache.store[idx] = store_from_segments(keys, values, positions[idx], keep, bsz, heads)
+            self.held_scores[idx] = kept_in_order(unions[idx], keep)
             self.chunk_scores[idx] = None

@@ -159,50 +159,52 @@ class Compressor:
         bare = self.scorer.score(ctx, self.config)  # the window's own entries, for when they leave the window
         return torch.where(in_window, bare, with_window)
 
-    def compress_union(self, modules, views, unions, seen: torch.Tensor, scaling: list[float]) -> list[torch.Tensor]:
-        """Which candidates each layer keeps after a prefill chunk (:mod:`pipeline.kv.chunked`).
+    def union_budgets(self, positions, unions, seen: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+        """Per-head counts of every layer after a prefill chunk (:mod:`pipeline.kv.chunked`).
 
-        views: per layer (keys, values (S, L, D), positions (S, L)) per segment (S = B * H_kv, -1: no
-        entry); unions: per layer (S, L) raw scores; seen: (B,) tokens of each row so far (the running
-        budget is the kept fraction of them; the most recent ``window`` are always kept).
-        Returns per layer keep (B, H_kv, L) bool.
+        positions: per layer (S, L) original positions of the candidates (S = B * H_kv; -1: none);
+        unions: per layer (S, L) raw scores; seen: (B,) tokens of each row so far (the running budget
+        is the kept fraction of them; the most recent ``window`` are always kept). Returns (scores
+        (B, H_kv, L) with the window at +inf, per layer; counts (B, H_kv) per layer; row windows (B,)).
         """
         cfg = self.config
         bsz = seen.shape[0]
         row_b, row_w = row_budgets(seen, cfg.cache_size, cfg.budget, cfg.window)
-        contexts, scores = [], []
-        for idx, ((keys, values, positions), union) in enumerate(zip(views, unions)):
-            segments, width, dim = keys.shape
-            heads = segments // bsz
-            pos = positions.view(bsz, heads, width)
+        scores, contexts = [], []
+        for idx, (pos, union) in enumerate(zip(positions, unions)):
+            pos = pos.view(bsz, -1, pos.shape[-1])
             recent = (pos >= (seen - row_w)[:, None, None]) & (pos >= 0)
-            scores.append(union.view(bsz, heads, width).masked_fill(recent, float("inf")))
-            module = modules[idx]
-            contexts.append(
-                LayerContext(
-                    layer_idx=idx,
-                    key=keys.view(bsz, heads, width, dim),
-                    value=values.view(bsz, heads, width, dim),
-                    key_pos=pos,
-                    scaling=scaling[idx],
-                    lengths=seen,
-                    row_budget=row_b,
-                    row_window=row_w,
-                    observed=None,
-                    projection=lambda idx=idx, module=module, heads=heads, dim=dim: self.projection(
-                        idx, module, heads, dim
-                    ),
-                    head_priors=self.head_priors,
-                    kvzap=self.kvzap,
-                )
-            )
+            scores.append(union.view(pos.shape).masked_fill(recent, float("inf")))
+            ctx = LayerContext(idx, None, None, pos, 1.0, seen, row_b, row_w, None, None, self.head_priors, self.kvzap)
+            contexts.append(ctx)  # an allocation reads scores, budgets, lengths and priors, never K/V
         if self.allocation.scope == "model":  # layers hold different numbers of candidates: pad to one width
             width = max(sc.shape[-1] for sc in scores)
             padded = [torch.nn.functional.pad(sc, (0, width - sc.shape[-1]), value=float("-inf")) for sc in scores]
             budgets = self.allocation.model_head_budgets(padded, contexts, cfg)
         else:
             budgets = [self.allocation.head_budgets(sc, ctx, cfg) for sc, ctx in zip(scores, contexts)]
-        return [self._select(ctx, sc, b).keep for ctx, sc, b in zip(contexts, scores, budgets)]
+        return scores, budgets, row_w
+
+    def union_select(self, idx, module, scores, budget, keys, values, seen, row_window) -> torch.Tensor:
+        """Which of one layer's candidates are kept: keys/values (S, L, D) per segment, scores from
+        :meth:`union_budgets`; returns keep (B, H_kv, L) bool."""
+        bsz, heads, width = scores.shape
+        dim = keys.shape[-1]
+        ctx = LayerContext(
+            layer_idx=idx,
+            key=keys.view(bsz, heads, width, dim),
+            value=values.view(bsz, heads, width, dim),
+            key_pos=None,
+            scaling=1.0,
+            lengths=seen,
+            row_budget=None,
+            row_window=row_window,
+            observed=None,
+            projection=lambda: self.projection(idx, module, heads, dim),
+            head_priors=self.head_priors,
+            kvzap=self.kvzap,
+        )
+        return self._select(ctx, scores, budget).keep
 
     def _context(self, layer_idx: int, layer: PendingLayer) -> LayerContext:
         cfg = self.config
