@@ -101,8 +101,6 @@ class Decoder:
         for begin in range(0, int(ctx_len.max()), chunk):
             pieces = [c[begin : begin + chunk] for c in contexts]
             ids, pos = left_pad(pieces, torch.full((len(rows),), begin), self.pad_id, self.device)
-            if begin:  # room for exactly this chunk in every held segment (appends add slack otherwise)
-                cache.reserve(ids.shape[1])
             out = self.forward(cache, ids, pos)
             cache.compress_chunk(ctx_len.clamp(max=begin + chunk).to(self.device))
             ends = ((ctx_len > begin) & (ctx_len <= begin + chunk)).to(out.device)

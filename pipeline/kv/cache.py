@@ -196,7 +196,7 @@ class VarLenCache(ChunkCache):
             raise ValueError("a chunked prefill cannot use the decode-time cap or a reconstruction scorer (kvzip)")
         if any(layer is not None for layer in self.store):
             raise RuntimeError("a chunked prefill starts from an empty cache")
-        self.chunked = ChunkedCompression(self)
+        self.chunked = ChunkedCompression(self, _Timer)
 
     def compress_chunk(self, seen: torch.Tensor) -> None:
         """After a chunk's forward: compress every layer to the running budget of ``seen`` (B,) tokens."""
@@ -211,6 +211,8 @@ class VarLenCache(ChunkCache):
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
         layer = self.store[layer_idx]
         if layer is not None:
+            if self.chunked is not None:  # exactly this chunk's slots, for this layer only (no slack)
+                layer.reserve(key_states.shape[2])
             layer.append(key_states, value_states, self.chunk_pos, has_padding=self.chunk_padding)
             self._appended[layer_idx] = value_states
         return key_states, value_states

@@ -37,7 +37,7 @@ from .varlen_kernels import sdpa_varlen_attention
 if TYPE_CHECKING:  # annotations only: the cache imports this module
     from .cache import VarLenCache
 
-QUERY_BLOCK = 256  # chunk queries per attention call over the held entries
+WEIGHTS_PER_CALL = 1 << 21  # attention weights (queries x heads x entries) per call over the held entries
 
 
 def store_from_segments(
@@ -73,32 +73,55 @@ def kept_in_order(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class ChunkedCompression:
     """The state of one chunked prefill over ``cache`` (see the module docstring)."""
 
-    def __init__(self, cache: VarLenCache) -> None:
-        self.cache = cache
+    def __init__(self, cache: VarLenCache, timer) -> None:
+        self.cache, self.timer = cache, timer  # timer(device): a context manager with .seconds after it
         layers = cache.num_layers
         self.held_scores: list[torch.Tensor | None] = [None] * layers  # (S, W) raw scores of held entries
         self.chunk_scores: list[torch.Tensor | None] = [None] * layers  # (B, H, T) raw scores of the chunk
         self.first_chunk: dict[int, tuple] = {}  # layer -> dense (key, value, positions) of the first chunk
         self.modules: list[torch.nn.Module | None] = [None] * layers
         self.scaling = [1.0] * layers
+        # a per-layer allocation decides each layer right after its attention (only that layer's chunk
+        # K/V wait); a cross-layer one waits for the chunk's end (every layer's chunk K/V wait)
+        self.cross_layer = cache.compressor.allocation.scope == "model"
+        self.seen: torch.Tensor | None = None  # (B,) tokens of each row up to the end of the current chunk
 
     def attend(self, idx: int, module, query, key, value, scaling: float) -> torch.Tensor:
-        """One layer of a chunk: its attention output (B, H_q, T, D); the chunk's raw scores kept."""
+        """One layer of a chunk: its attention output (B, H_q, T, D); the chunk's raw scores kept, and
+        the layer compressed at once unless the allocation is cross-layer."""
+        out = self._attention(idx, module, query, key, value, scaling)
+        if not self.cross_layer:
+            with self.timer(query.device) as timer:
+                self._compress_layers([idx], self._seen_after_chunk())
+            self.cache.compress_seconds += timer.seconds
+        return out
+
+    def _seen_after_chunk(self) -> torch.Tensor:
+        """(B,) each row's tokens up to the end of the current chunk (rows without tokens in it: as before)."""
+        pos = self.cache.chunk_pos
+        last = pos.max(-1).values + 1
+        if self.seen is None:
+            return last.clamp(min=0)
+        return torch.where(last > 0, last, self.seen)
+
+    def _attention(self, idx: int, module, query, key, value, scaling: float) -> torch.Tensor:
         cache, compressor = self.cache, self.cache.compressor
         pos = cache.chunk_pos
         observed = compressor.observe(query, pos, idx, cache.hidden_states.pop(idx, None))
         self.chunk_scores[idx] = compressor.raw_scores(idx, module, observed, key, value, pos, scaling)
         self.modules[idx], self.scaling[idx] = module, scaling
-        if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compress()
+        if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compression
             self.first_chunk[idx] = (key, value, pos)
             return dense_prefill_attention(query, key, value, pos, scaling)
         # update() appended the chunk to the store: masked SDPA over its padded view (the decode kernels
-        # are built for a few queries; a chunk has hundreds), QUERY_BLOCK queries at a time so that the
-        # (queries x entries) weights stay small next to the cache
+        # are built for a few queries; a chunk has hundreds), in query blocks so that the weights
+        # (block x heads x entries, fp32) stay near 8 MiB whatever the chunk and the longest head
         keys, values, positions = cache.store[idx].padded_view()
         out = torch.empty_like(query)
-        for begin in range(0, query.shape[2], QUERY_BLOCK):
-            block = slice(begin, begin + QUERY_BLOCK)
+        per_query = query.shape[0] * query.shape[1] * keys.shape[1]
+        step = max(16, WEIGHTS_PER_CALL // max(per_query, 1))
+        for begin in range(0, query.shape[2], step):
+            block = slice(begin, begin + step)
             out[:, :, block] = sdpa_varlen_attention(
                 query[:, :, block], keys, values, positions, cache.query_pos[:, block], scaling
             )
@@ -138,18 +161,25 @@ class ChunkedCompression:
         return keys, values
 
     def compress(self, seen: torch.Tensor) -> None:
-        """Select every layer's kept entries from held + chunk at the running budget (``seen``: (B,)
-        tokens of each row so far); the store becomes exactly the kept entries. Budgets are decided
-        from every layer's scores first; then one layer's candidate K/V exist at a time."""
-        cache, compressor = self.cache, self.cache.compressor
-        bsz, heads = self.chunk_scores[0].shape[:2]
-        positions, unions = zip(*(self._candidates(idx) for idx in range(cache.num_layers)))
-        scores, budgets, row_window = compressor.union_budgets(positions, unions, seen)
-        for idx in range(cache.num_layers):
+        """After a chunk's forward (``seen``: (B,) tokens of each row so far): a cross-layer allocation
+        selects every layer's kept entries now (per-layer ones did in :meth:`attend`)."""
+        if self.cross_layer:
+            self._compress_layers(list(range(self.cache.num_layers)), seen)
+        self.seen = seen
+
+    def _compress_layers(self, layers: list[int], seen: torch.Tensor) -> None:
+        """Select the kept entries of ``layers`` from held + chunk at the running budget; each store
+        becomes exactly its kept entries. Budgets are decided from the layers' scores first; then one
+        layer's candidate K/V exist at a time."""
+        compressor = self.cache.compressor
+        bsz, heads = self.chunk_scores[layers[0]].shape[:2]
+        positions, unions = zip(*(self._candidates(idx) for idx in layers))
+        scores, budgets, row_window = compressor.union_budgets(positions, unions, seen, layers)
+        for j, idx in enumerate(layers):
             keys, values = self._keys_values(idx)
             module = self.modules[idx]
-            keep = compressor.union_select(idx, module, scores[idx], budgets[idx], keys, values, seen, row_window)
-            keep = keep.reshape(positions[idx].shape) & (positions[idx] >= 0)
-            cache.store[idx] = store_from_segments(keys, values, positions[idx], keep, bsz, heads)
-            self.held_scores[idx] = kept_in_order(unions[idx], keep)
+            keep = compressor.union_select(idx, module, scores[j], budgets[j], keys, values, seen, row_window)
+            keep = keep.reshape(positions[j].shape) & (positions[j] >= 0)
+            self.cache.store[idx] = store_from_segments(keys, values, positions[j], keep, bsz, heads)
+            self.held_scores[idx] = kept_in_order(unions[j], keep)
             self.chunk_scores[idx] = None

@@ -159,19 +159,22 @@ class Compressor:
         bare = self.scorer.score(ctx, self.config)  # the window's own entries, for when they leave the window
         return torch.where(in_window, bare, with_window)
 
-    def union_budgets(self, positions, unions, seen: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+    def union_budgets(
+        self, positions, unions, seen: torch.Tensor, layers: list[int]
+    ) -> tuple[list, list, torch.Tensor]:
         """Per-head counts of every layer after a prefill chunk (:mod:`pipeline.kv.chunked`).
 
         positions: per layer (S, L) original positions of the candidates (S = B * H_kv; -1: none);
         unions: per layer (S, L) raw scores; seen: (B,) tokens of each row so far (the running budget
-        is the kept fraction of them; the most recent ``window`` are always kept). Returns (scores
+        is the kept fraction of them; the most recent ``window`` are always kept); layers: the layer
+        indices (every layer for a cross-layer allocation). Returns (scores
         (B, H_kv, L) with the window at +inf, per layer; counts (B, H_kv) per layer; row windows (B,)).
         """
         cfg = self.config
         bsz = seen.shape[0]
         row_b, row_w = row_budgets(seen, cfg.cache_size, cfg.budget, cfg.window)
         scores, contexts = [], []
-        for idx, (pos, union) in enumerate(zip(positions, unions)):
+        for idx, pos, union in zip(layers, positions, unions):
             pos = pos.view(bsz, -1, pos.shape[-1])
             recent = (pos >= (seen - row_w)[:, None, None]) & (pos >= 0)
             scores.append(union.view(pos.shape).masked_fill(recent, float("inf")))
