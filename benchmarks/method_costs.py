@@ -3,11 +3,12 @@ plain prefill, peak memory above the process' level before the prefill, and kept
 
     python benchmarks/method_costs.py [--lengths 2048,4096] [--repeats 3] [--cache-size 0.2]
                                       [--methods none,snapkv,kvzap[prefill_chunk=1024],...]
-                                      [--out benchmarks/results/method_costs.md] [--plot peaks.png]
+                                      [--out benchmarks/results/method_costs.md]
 
 ``--repeats`` takes one count or one per length (``3,3,1``); a method may carry knob overrides as in
-the sweeps (``NAME[knob=value,...]``, e.g. a chunked prefill); ``--plot`` draws each method's peak
-memory growth against the context length.
+the sweeps (``NAME[knob=value,...]``, e.g. a chunked prefill). The peak column reuses one process' heap
+(methods run one after another): for each method's own peak in a fresh process, use
+``benchmarks/prefill_memory.py``.
 
 SmolLM2 fp32 on CPU, the Engine's own path (``Engine.compress_context``: prefill, KVzip's
 reconstruction passes where the method needs them, compression into the variable-length cache).
@@ -116,7 +117,6 @@ def main() -> None:
     p.add_argument("--cache-size", type=float, default=0.2)
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--out", default=str(HERE / "results" / "method_costs.md"))
-    p.add_argument("--plot", default=None, help="PNG of peak memory growth against the context length")
     args = p.parse_args()
     methods = [m.strip() for m in split_top_level(args.methods) if m.strip()]
     lengths = parse_ints(args.lengths)
@@ -136,7 +136,6 @@ def main() -> None:
         return engines[method]
 
     lines = [header(f"Prefill cost per method (SmolLM2 fp32, cache size {args.cache_size:g})")]
-    peaks: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
     for n, reps in zip(lengths, repeats):
         res = measure(engine_for, loaded.tokenizer, methods, n, reps)
         base = median(res["none"]["seconds"]) if "none" in res else None
@@ -146,8 +145,6 @@ def main() -> None:
             r = res[method]
             sec = median(r["seconds"])
             peak = [x for x in r["peak"] if x is not None]
-            if peak:
-                peaks[method].append((r["tokens"], median(peak) / 2**20))
             rows.append(
                 [
                     method,
@@ -177,30 +174,6 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"\n(written to {args.out})")
-    if args.plot:
-        plot_peaks(peaks, args.cache_size, args.plot)
-        print(f"(plot: {args.plot})")
-
-
-def plot_peaks(peaks: dict[str, list[tuple[int, float]]], cache_size: float, path: str) -> None:
-    """Peak memory growth (MiB) against context tokens, one line per method."""
-    import matplotlib  # benchmark-only dependency of the plot
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, points in peaks.items():
-        if points:
-            xs, ys = zip(*sorted(points))
-            ax.plot(xs, ys, marker="o", label=method)
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("peak memory growth during the prefill (MiB)")
-    ax.set_title(f"Prefill peak memory per method (SmolLM2 fp32, CPU, cache size {cache_size:g})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from .ruler import generate_sample
 from .ruler_data import adjectives, nouns, verbs
-from .summaries import essays, fit_text
+from .summaries import essays, fit_text, longest_prefix
 
 KINDS = ("ruler", "essay", "numbers", "code")
 RULER_TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_single_1", "vt", "cwe")
@@ -60,15 +60,7 @@ def _grow(make: Callable[[int], str], length: int, count_tokens: Callable[[str],
     while count_tokens(text) < length:
         units *= 2
         text = make(units)
-    lines = text.split("\n")
-    low, high = 1, len(lines)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if count_tokens("\n".join(lines[:mid])) <= length:
-            low = mid
-        else:
-            high = mid - 1
-    return "\n".join(lines[:low])
+    return longest_prefix(text.split("\n"), "\n", length, count_tokens)
 
 
 def calibration_document(kind: str, length: int, index: int, count_tokens: Callable[[str], int], seed: int) -> dict:

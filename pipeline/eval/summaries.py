@@ -29,17 +29,21 @@ def essays() -> list[tuple[str, str]]:
     return sorted(out, key=lambda item: (-len(item[1]), item[0]))
 
 
-def fit_text(text: str, length_tokens: int, count_tokens: Callable[[str], int]) -> str:
-    """The longest prefix of whole sentences of ``text`` within ``length_tokens`` tokens."""
-    sentences = split_sentences(text)
-    low, high = 1, len(sentences)
+def longest_prefix(pieces: list[str], sep: str, length_tokens: int, count_tokens: Callable[[str], int]) -> str:
+    """``sep.join`` of the most leading ``pieces`` within ``length_tokens`` tokens (at least one)."""
+    low, high = 1, len(pieces)
     while low < high:  # the largest prefix that fits (token counts grow with the prefix)
         mid = (low + high + 1) // 2
-        if count_tokens(" ".join(sentences[:mid])) <= length_tokens:
+        if count_tokens(sep.join(pieces[:mid])) <= length_tokens:
             low = mid
         else:
             high = mid - 1
-    return " ".join(sentences[:low])
+    return sep.join(pieces[:low])
+
+
+def fit_text(text: str, length_tokens: int, count_tokens: Callable[[str], int]) -> str:
+    """The longest prefix of whole sentences of ``text`` within ``length_tokens`` tokens."""
+    return longest_prefix(split_sentences(text), " ", length_tokens, count_tokens)
 
 
 def summary_documents(
