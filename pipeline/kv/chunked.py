@@ -80,7 +80,6 @@ class ChunkedCompression:
         self.chunk_scores: list[torch.Tensor | None] = [None] * layers  # (B, H, T) raw scores of the chunk
         self.first_chunk: dict[int, tuple] = {}  # layer -> dense (key, value, positions) of the first chunk
         self.modules: list[torch.nn.Module | None] = [None] * layers
-        self.scaling = [1.0] * layers
         # a per-layer allocation decides each layer right after its attention (only that layer's chunk
         # K/V wait); a cross-layer one waits for the chunk's end (every layer's chunk K/V wait)
         self.cross_layer = cache.compressor.allocation.scope == "model"
@@ -109,7 +108,7 @@ class ChunkedCompression:
         pos = cache.chunk_pos
         observed = compressor.observe(query, pos, idx, cache.hidden_states.pop(idx, None))
         self.chunk_scores[idx] = compressor.raw_scores(idx, module, observed, key, value, pos, scaling)
-        self.modules[idx], self.scaling[idx] = module, scaling
+        self.modules[idx] = module
         if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compression
             self.first_chunk[idx] = (key, value, pos)
             return dense_prefill_attention(query, key, value, pos, scaling)
