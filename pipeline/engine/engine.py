@@ -29,6 +29,7 @@ from ..kv.attention import register as register_attention
 from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
+from ..kv.phases import Phase
 from ..kv.rope import model_rotary
 from .answers import ContextCost, ModelShape, make_answers
 from .batching import Row, rows_for
@@ -148,20 +149,21 @@ class Engine:
         return cache
 
     def prefill(self, rows: list[Row], cache: VarLenCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The context prefill and compression of ``rows`` into ``cache`` with the cache's method: in
-        one pass (then KVzip's passes where needed) or chunk by chunk (``prefill_chunk``).
-        Returns (context lengths (B,), last logits (B, V))."""
+        """The context prefill and compression of ``rows`` into ``cache``, phase by phase
+        (:mod:`pipeline.kv.phases`): the forward, in one pass or chunk by chunk (``prefill_chunk``),
+        runs the ``LAYER`` and ``PREFILL`` phases inside the cache; the ``PASSES`` phase (KVzip's
+        reconstruction passes) runs here after it. Returns (context lengths (B,), last logits (B, V))."""
         cfg = cache.compressor.config
         if cfg.chunked:
             return self.decoder.prefill_chunked(rows, cache, cfg.cache_size, cfg.prefill_chunk)
         ctx_len, logits = self.decoder.prefill(rows, cache, cfg.cache_size)
-        self._reconstruct(rows, cache)
+        if cfg.phase is Phase.PASSES:
+            self._run_passes(rows, cache)
         return ctx_len, logits
 
-    def _reconstruct(self, rows: list[Row], cache: VarLenCache) -> None:
-        """KVzip: the reconstruction passes, then the deferred compression (both in ``compress_s``)."""
-        if not cache.awaiting_reconstruction:
-            return
+    def _run_passes(self, rows: list[Row], cache: VarLenCache) -> None:
+        """The ``PASSES`` phase: KVzip's reconstruction passes, then every pending layer compressed
+        (both in ``compress_s``)."""
         cfg = cache.compressor.config
         t0 = now(self.device)
         contexts, prefixes = [r.prompt.context_ids for r in rows], [r.prompt.prefix_tokens for r in rows]

@@ -28,6 +28,7 @@ import torch
 from ..kv.cache import VarLenCache
 from ..kv.capture import CaptureCache
 from ..kv.compress import Compressor
+from ..kv.phases import Phase
 from .answers import ContextCost, make_answers
 from .batching import Row
 from .memory import PeakMemory, now
@@ -60,7 +61,7 @@ def _layout_key(compressor: Compressor) -> tuple:
 
 def reconstruction_key(compressor: Compressor) -> tuple | None:
     """What a setting's reconstruction scores depend on (None: it needs none)."""
-    if not compressor.needs_reconstruction:
+    if compressor.phase is not Phase.PASSES:
         return None
     return compressor.config.reconstruction_chunk, compressor.config.kvzip_plus
 

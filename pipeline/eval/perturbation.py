@@ -84,6 +84,7 @@ from ..kv.attention import register_recording
 from ..kv.cache import VarLenCache, run_chunk
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig, method_name
+from ..kv.phases import Phase
 from ..kv.rope import model_rotary
 from ..kv.scorers.snapkv import snapkv_scores
 from ..kv.store import VarLenLayer
@@ -211,7 +212,7 @@ def _check_inputs(model, configs: dict[str, CompressionConfig], n: int, t: int) 
         raise ValueError("need a non-empty context and at least one later query token")
     _check_model(model, n + t)
     for name, cfg in configs.items():
-        if Compressor(cfg, torch.zeros(1, 1)).deferred:
+        if cfg.phase is not Phase.LAYER:
             raise ValueError(
                 f"{name}: the diagnostics analyse each layer as the forward reaches it; methods that "
                 "decide across layers or need reconstruction passes are not supported"

@@ -34,6 +34,7 @@ from .attention import dense_prefill_attention, grouped_decode_attention, record
 from .chunked import ChunkedCompression
 from .compress import Compressor, LayerSelection, PendingLayer
 from .decode_cap import DecodeCap
+from .phases import Phase
 from .store import VarLenLayer
 from .varlen_kernels import (
     blocked_attention,
@@ -158,7 +159,7 @@ class VarLenCache(ChunkCache):
         self.context_entries: torch.Tensor | None = None  # (B,) kept entries per row after prefill
         self.context_bytes: torch.Tensor | None = None  # (B,) bytes held per row after prefill
         self.cap = DecodeCap(compressor) if compressor.config.max_cache_tokens is not None else None
-        self.pending: list[PendingLayer | None] = [None] * num_layers  # deferred methods, until compressed
+        self.pending: list[PendingLayer | None] = [None] * num_layers  # phases after LAYER, until compressed
         self.chunked: ChunkedCompression | None = None  # during a chunked prefill (begin_chunked_prefill)
 
     @classmethod
@@ -192,7 +193,7 @@ class VarLenCache(ChunkCache):
     def begin_chunked_prefill(self) -> None:
         """Prefill chunks go through :class:`~pipeline.kv.chunked.ChunkedCompression` until
         :meth:`end_chunked_prefill`; call :meth:`compress_chunk` after each chunk's forward."""
-        if self.cap is not None or self.compressor.needs_reconstruction:
+        if self.cap is not None or self.compressor.phase is Phase.PASSES:
             raise ValueError("a chunked prefill cannot use the decode-time cap or a reconstruction scorer (kvzip)")
         if any(layer is not None for layer in self.store):
             raise RuntimeError("a chunked prefill starts from an empty cache")
@@ -282,11 +283,14 @@ class VarLenCache(ChunkCache):
         return out, kernel
 
     def compress_into(self, idx: int, module, observed, key, value, key_pos, scaling) -> None:
-        """Compress one layer's dense prefill K/V (B, H_kv, n, D) into the store (timed), or keep it
-        pending for a deferred method (compressed with :meth:`finish_compression`)."""
-        if self.compressor.deferred:
+        """One layer's dense prefill K/V (B, H_kv, n, D) after its attention: compressed into the store
+        now (timed) when the method decides in ``Phase.LAYER``; else kept pending, and every layer is
+        compressed after the last one's attention (``PREFILL``) or when the engine brings the
+        reconstruction scores (``PASSES``, :meth:`finish_compression`)."""
+        phase = self.compressor.phase
+        if phase is not Phase.LAYER:
             self.pending[idx] = PendingLayer(module, key, value, key_pos, scaling, observed)
-            if idx == self.num_layers - 1 and not self.compressor.needs_reconstruction:
+            if idx == self.num_layers - 1 and phase is Phase.PREFILL:
                 self.finish_compression()
             return
         with _Timer(key.device) as timer:
@@ -299,10 +303,10 @@ class VarLenCache(ChunkCache):
     @property
     def awaiting_reconstruction(self) -> bool:
         """Every layer is pending and the scorer's reconstruction scores are still to come (KVzip)."""
-        return self.compressor.needs_reconstruction and self.pending[-1] is not None
+        return self.compressor.phase is Phase.PASSES and self.pending[-1] is not None
 
     def finish_compression(self, observed: list | None = None) -> None:
-        """Compress every pending layer at once (deferred methods); ``observed``: per layer, the
+        """Compress every pending layer at once (methods deciding after ``Phase.LAYER``); ``observed``: per layer, the
         reconstruction scores (B, H_kv, n) that replace what the prefill observed. The dense K/V are
         dropped afterwards: the cache then holds only the kept entries."""
         if any(layer is None for layer in self.pending):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import dense_prefill_attention
+from .phases import Phase
 from .store import VarLenLayer
 from .varlen_kernels import sdpa_varlen_attention
 
@@ -82,7 +83,7 @@ class ChunkedCompression:
         self.modules: list[torch.nn.Module | None] = [None] * layers
         # a per-layer allocation decides each layer right after its attention (only that layer's chunk
         # K/V wait); a cross-layer one waits for the chunk's end (every layer's chunk K/V wait)
-        self.cross_layer = cache.compressor.allocation.scope == "model"
+        self.cross_layer = cache.compressor.phase is Phase.PREFILL
         self.seen: torch.Tensor | None = None  # (B,) tokens of each row up to the end of the current chunk
 
     def attend(self, idx: int, module, query, key, value, scaling: float) -> torch.Tensor:

@@ -5,10 +5,11 @@
 cache calls :meth:`observe` while the layer's attention runs (the scorer keeps what it needs of the
 queries), then either
 
-* :meth:`compress_observed` right away (per-layer methods: the dense K/V of one layer exist at a
-  time), or, when the method is :attr:`deferred` (a cross-layer allocation, or a scorer that needs
-  context-reconstruction passes), keeps a :class:`PendingLayer` and calls :meth:`compress_model`
-  once every layer is there (the dense cache of every layer exists until then).
+* :meth:`compress_observed` right away when the method decides in ``Phase.LAYER`` (the dense K/V
+  of one layer exist at a time), or, when it decides later (:attr:`phase`: ``PREFILL`` for a
+  cross-layer allocation, ``PASSES`` for a scorer that needs context-reconstruction passes; see
+  :mod:`pipeline.kv.phases`), keeps a :class:`PendingLayer` and calls :meth:`compress_model` once
+  every layer is there (the dense cache of every layer exists until then).
 
 Both return which entries each (row, KV head) keeps. Nothing here touches files, Ray or the model
 beyond ``o_proj``.
@@ -24,6 +25,7 @@ from .allocation import ALLOCATIONS, row_budgets
 from .config import CompressionConfig
 from .kvzap_model import KVzapModel
 from .parts import LayerContext, LayerInputs, Rotary
+from .phases import Phase
 from .scorers import SCORERS
 from .scorers.common import window_mask
 from .selection import SELECTIONS
@@ -42,7 +44,7 @@ class LayerSelection:
 
 @dataclass
 class PendingLayer:
-    """One layer's prefill waiting for a deferred compression: module, dense K/V (B, H_kv, n, D),
+    """One layer's prefill waiting for a method that decides after ``Phase.LAYER``: module, dense K/V (B, H_kv, n, D),
     positions (B, n) (-1 padding), scaling, and what the scorer observed (or, for reconstruction
     scorers, the pass scores once they are known)."""
 
@@ -84,14 +86,9 @@ class Compressor:
         return self.config.max_cache_tokens is not None
 
     @property
-    def needs_reconstruction(self) -> bool:
-        """The scorer's scores come from context-reconstruction passes after the prefill (KVzip)."""
-        return self.scorer is not None and self.scorer.needs_reconstruction
-
-    @property
-    def deferred(self) -> bool:
-        """Compression waits until every layer is prefilled (see the module docstring)."""
-        return self.scorer is not None and (self.needs_reconstruction or self.allocation.scope == "model")
+    def phase(self) -> Phase:
+        """When the method decides (:mod:`pipeline.kv.phases`): the latest of its parts' phases."""
+        return self.config.phase
 
     @property
     def needs_hidden_states(self) -> bool:
@@ -132,7 +129,7 @@ class Compressor:
 
         key/value: (B, H_kv, n, D) post-RoPE; key_pos: (B, n) (-1 = padding); observed: from :meth:`observe`.
         """
-        if self.deferred:
+        if self.phase is not Phase.LAYER:
             raise RuntimeError(f"method {self.config.method!r} compresses all layers at once (compress_model)")
         pending = PendingLayer(module, key, value, key_pos, scaling, observed)
         if not self.config.compresses:
@@ -180,7 +177,7 @@ class Compressor:
             scores.append(union.view(pos.shape).masked_fill(recent, float("inf")))
             ctx = LayerContext(idx, None, None, pos, 1.0, seen, row_b, row_w, None, None, self.head_priors, self.kvzap)
             contexts.append(ctx)  # an allocation reads scores, budgets, lengths and priors, never K/V
-        if self.allocation.scope == "model":  # layers hold different numbers of candidates: pad to one width
+        if self.phase is Phase.PREFILL:  # across layers, which hold different numbers of candidates: one width
             width = max(sc.shape[-1] for sc in scores)
             padded = [torch.nn.functional.pad(sc, (0, width - sc.shape[-1]), value=float("-inf")) for sc in scores]
             budgets = self.allocation.model_head_budgets(padded, contexts, cfg)

@@ -23,6 +23,7 @@ import itertools
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from .allocation import ALLOCATIONS
+from .phases import Phase, method_phase
 from .scorers import SCORERS
 from .selection import SELECTIONS
 
@@ -158,7 +159,7 @@ class CompressionConfig(_CompressionCore, *_part_options()):
                 f"({self.window}); the window is always kept and counts inside the budget"
             )
         if self.prefill_chunk is not None and self.compresses:
-            if any(getattr(part, "needs_reconstruction", False) for part in self.parts()):
+            if self.phase is Phase.PASSES:
                 raise ValueError(
                     f"prefill_chunk: scorer {self.scorer!r} scores from passes over the whole context and cannot "
                     "compress chunk by chunk; use kvzap (its one-pass predictor) or another scorer"
@@ -211,6 +212,12 @@ class CompressionConfig(_CompressionCore, *_part_options()):
     @property
     def needs_kvzap_model(self) -> bool:
         return any(part.needs_kvzap_model for part in self.parts())
+
+    @property
+    def phase(self) -> Phase:
+        """When this method decides what is kept (:mod:`pipeline.kv.phases`); ``LAYER`` when it keeps
+        the full cache."""
+        return method_phase(self.parts()) if self.compresses else Phase.LAYER
 
     @classmethod
     def cli_aliases(cls) -> dict:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 import torch
 from pydantic import BaseModel
 
+from .phases import Phase
+
 if TYPE_CHECKING:  # annotations only: config imports the registries, which import this module
     from .config import CompressionConfig
     from .kvzap_model import KVzapModel
@@ -82,6 +84,9 @@ class Part:
     needs_head_priors: ClassVar[bool] = False
     #: the engine must load a KVzap file (:mod:`pipeline.kv.kvzap_model`) for the compressor
     needs_kvzap_model: ClassVar[bool] = False
+    #: when the part has what it needs to decide (:mod:`pipeline.kv.phases`): right after each
+    #: layer's attention unless it says otherwise
+    decides: ClassVar[Phase] = Phase.LAYER
 
     def check(self, config: CompressionConfig) -> None:
         """Raise ``ValueError`` when ``config`` cannot run with this part (default: nothing to check)."""
@@ -95,12 +100,11 @@ class Part:
 class Scorer(Part):
     """Base scores of context entries (see the module docstring for the conventions).
 
-    A scorer with ``needs_reconstruction`` (KVzip) cannot score from the prefill alone: its
+    A scorer that ``decides`` in ``Phase.PASSES`` (KVzip) cannot score from the prefill alone: its
     ``observed`` is filled after the prefill by the engine's context-reconstruction passes
     (:mod:`pipeline.engine.reconstruction`), so compression waits for every layer.
     """
 
-    needs_reconstruction: ClassVar[bool] = False
     #: ``observe`` reads each layer's attention input (``LayerInputs.hidden``), recorded by the cache
     needs_hidden_states: ClassVar[bool] = False
 
@@ -134,12 +138,10 @@ class Scorer(Part):
 class Allocation(Part):
     """Per-head counts (never which entries).
 
-    ``scope = "layer"``: :meth:`head_budgets` decides one layer from its own scores, right after its
-    prefill attention. ``scope = "model"``: :meth:`model_head_budgets` needs every layer's scores
-    (a cross-layer budget), so the dense cache is held until the prefill ends.
+    ``decides = Phase.LAYER``: :meth:`head_budgets` decides one layer from its own scores, right after
+    its prefill attention. ``Phase.PREFILL``: :meth:`model_head_budgets` needs every layer's scores
+    (a cross-layer budget), so the dense cache is held until the prefill (or the chunk) ends.
     """
-
-    scope: ClassVar[str] = "layer"
 
     def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config: CompressionConfig) -> torch.Tensor:
         """scores: (B, H_kv, n) base scores -> (B, H_kv) long kept entries per head."""

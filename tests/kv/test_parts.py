@@ -12,6 +12,7 @@ import torch
 from pipeline.kv.allocation import ALLOCATIONS, row_budgets
 from pipeline.kv.config import CompressionConfig, method_name
 from pipeline.kv.parts import LayerContext, LayerInputs
+from pipeline.kv.phases import Phase
 from pipeline.kv.scorers import SCORERS
 from pipeline.kv.selection import SELECTIONS
 from pipeline.kv.value_norms import NormStats, OutputProjection
@@ -91,7 +92,7 @@ def test_scorer_matches_reference(name):
     scorer = SCORERS[name]
     ctx = _context(cfg, q, k, v, pos, scorer)
     passes = None
-    if scorer.needs_reconstruction:  # its algorithm is in the passes (tests/kv/test_kvzip.py): here the conventions
+    if scorer.decides is Phase.PASSES:  # its algorithm is in the passes (tests/kv/test_kvzip.py): here the conventions
         passes = torch.rand(2, H_KV, max(LENGTHS), generator=torch.Generator().manual_seed(4))
         ctx.observed = passes
     got = scorer.score(ctx, cfg)

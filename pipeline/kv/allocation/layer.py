@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..parts import Allocation, LayerContext
+from ..phases import Phase
 from ..ranking import rank_desc
 
 
@@ -30,7 +31,7 @@ def layer_head_budgets(scores: list[torch.Tensor], row_budget: torch.Tensor) -> 
 
 class LayerAllocation(Allocation):
     name = "layer"
-    scope = "model"
+    decides = Phase.PREFILL
     summary = "one top-k over all layers and heads decides each layer's and head's count (arXiv 2510.13334)"
 
     def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from ..parts import LayerContext, Scorer
+from ..phases import Phase
 from .common import finalise
 
 
@@ -32,7 +33,7 @@ class KVzip(Scorer):
     name = "kvzip"
     options = KVzipOptions
     summary = "attention needed to reconstruct the context in teacher-forced passes (arXiv 2505.23416)"
-    needs_reconstruction = True
+    decides = Phase.PASSES
 
     def observe(self, query, key_pos, config, rotary=None, inputs=None) -> None:
         return None  # the scores come from the reconstruction passes, after the prefill

@@ -1,0 +1,85 @@
+"""When each method decides (pipeline.kv.phases): declared by the parts, run by the cache and the engine.
+
+A method decides at the latest of its parts' phases; the cache then holds at most one layer's
+dense K/V (LAYER), every layer's until the prefill forward's last attention (PREFILL), or every
+layer's until the engine brings the reconstruction scores (PASSES).
+"""
+
+import pytest
+import torch
+
+from pipeline.kv.allocation import ALLOCATIONS
+from pipeline.kv.attention import register
+from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.compress import Compressor
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.phases import Phase, method_phase
+from pipeline.kv.scorers import SCORERS
+from pipeline.kv.selection import SELECTIONS
+from tests.tiny import DEVICE, tiny_model
+
+LAYERS = 3
+
+
+def test_every_part_declares_a_phase():
+    for registry in (SCORERS, ALLOCATIONS, SELECTIONS):
+        for name in registry:
+            assert isinstance(registry[name].decides, Phase), name
+    assert SCORERS["kvzip"].decides is Phase.PASSES
+    assert ALLOCATIONS["layer"].decides is Phase.PREFILL
+
+
+@pytest.mark.parametrize(
+    "method, size, phase",
+    [
+        ("criticalkv-adakv-snapkv", 0.2, Phase.LAYER),
+        ("layer-snapkv", 0.2, Phase.PREFILL),
+        ("kvzip", 0.2, Phase.PASSES),
+        ("layer-kvzip", 0.2, Phase.PASSES),  # the latest part decides
+        ("layer-kvzip", 1.0, Phase.LAYER),  # keeps the full cache: nothing waits
+    ],
+)
+def test_method_phase_is_the_latest_of_its_parts(method, size, phase):
+    cfg = CompressionConfig(method=method, cache_size=size)
+    assert cfg.phase is phase
+    assert Compressor(cfg).phase is phase
+    if cfg.compresses:
+        assert method_phase(cfg.parts()) is phase
+
+
+class _Watched(VarLenCache):
+    """Records, after each layer's attention, how many layers' dense K/V the cache holds pending."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.held: list[int] = []
+
+    def compress_into(self, idx, *args) -> None:
+        super().compress_into(idx, *args)
+        self.held.append(sum(layer is not None for layer in self.pending))
+
+
+@pytest.mark.parametrize(
+    "method, held, awaiting",
+    [
+        ("snapkv", [0, 0, 0], False),  # LAYER: each layer compressed after its own attention
+        ("layer-snapkv", [1, 2, 0], False),  # PREFILL: compressed after the last layer's attention
+        ("layer-kvzip", [1, 2, 3], True),  # PASSES: everything waits for the engine
+    ],
+)
+def test_the_cache_runs_each_phase_at_its_moment(method, held, awaiting):
+    model = tiny_model("llama", layers=LAYERS)
+    model.set_attn_implementation(register())
+    cache = _Watched(LAYERS, Compressor(CompressionConfig(method=method, cache_size=0.3, window=2)))
+    ids = torch.randint(0, 200, (2, 20), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    pos = torch.arange(20, device=DEVICE).expand(2, 20).clone()
+    pos[1, :5] = -1  # the second row is left padded
+    run_chunk(model, cache, ids, pos)
+    assert cache.held == held
+    assert cache.awaiting_reconstruction is awaiting
+    assert all(layer is not None for layer in cache.store) is not awaiting
+
+
+def test_a_chunked_prefill_refuses_a_passes_method():
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        CompressionConfig(method="layer-kvzip", cache_size=0.2, prefill_chunk=8)
