@@ -111,14 +111,17 @@ def quality(table: pa.Table) -> tuple[list[dict], list[str]]:
 
 
 def compression_loss(quality_rows: list[dict]) -> list[dict]:
-    """Relative loss of the average score vs the full cache: (full - score) / full."""
+    """Relative loss of the average score vs the full cache: (full - score) / full. Empty when the
+    rows hold no scored full-cache setting (an ordinary job's output: nothing to compare with)."""
     full = [r["average"] for r in quality_rows if r["method"] == FULL or r["cache_size"] >= 1.0]
     reference = _mean([f for f in full if f is not None])
+    if not reference:
+        return []
     out = []
     for r in quality_rows:
         if r["cache_size"] >= 1.0 or r["average"] is None:
             continue
-        loss = None if not reference else (reference - r["average"]) / reference
+        loss = (reference - r["average"]) / reference
         out.append(
             {
                 "method": r["method"],

@@ -167,3 +167,21 @@ def test_plots_of_many_methods_stay_readable(tmp_path):
     assert width <= 2000 and height <= 2400
     styles = plots._styles(methods)
     assert max(abs(s["offset"]) for s in styles.values()) <= 0.025 + 1e-9
+
+
+@pytest.mark.parametrize("with_nll", [False, True])
+def test_report_of_a_job_without_full_cache_rows(tmp_path, with_nll):
+    """An ordinary QA or summary job has one compressed setting and no full-cache rows: the report
+    still writes its tables (no loss relative to a full cache it does not have)."""
+    rows = [r for r in _rows() if r["method"] == "snapkv"]
+    for r in rows:
+        if not with_nll:
+            r.pop("answer_nll", None), r.pop("answer_nll_delta", None)
+    out = tmp_path / "run"
+    (out / "data").mkdir(parents=True)
+    pq.write_table(rows_to_table(rows), out / "data" / "part-0.parquet")
+    text = build_report([out], out).read_text()
+    assert "Score by method and cache size" in text and "relative to the full cache" not in text
+    assert ("Answer fidelity" in text) is with_nll
+    assert not (out / "compression_loss.png").exists()
+    assert main([str(out)]) == 0
