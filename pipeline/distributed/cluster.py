@@ -17,13 +17,14 @@ import ray
 import pipeline
 from pipeline.distributed.config import JobConfig
 from pipeline.distributed.rundir import JobConfigError
-from pipeline.engine.loading import SHORT_NAMES, ModelNotFoundError, bundled_gguf, resolve_model_path
+from pipeline.engine.loading import SHORT_NAMES, ModelNotFoundError, RemoteCodeRefused, bundled_gguf, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 
 def check_model(config: JobConfig) -> None:
-    """Fail fast on a model that cannot be found -- only where the actors will run on this machine
+    """Fail fast on a model that cannot be found or would need its own code without
+    ``trust_remote_code`` -- only where the actors will run on this machine
     (a local Ray); on a cluster the path may exist on the workers only."""
     if config.engine_factory is not None or config.ray_address or os.environ.get("RAY_ADDRESS"):
         return
@@ -34,6 +35,8 @@ def check_model(config: JobConfig) -> None:
             resolve_model_path(config.model)  # paths: the files; hub ids: present in the local HF cache
     except ModelNotFoundError as exc:
         raise JobConfigError("model.name", str(exc)) from exc
+    except RemoteCodeRefused as exc:
+        raise JobConfigError("model.trust_remote_code", str(exc)) from exc
 
 
 def ensure_ray(ray_address: str | None = None) -> tuple[bool, str]:

