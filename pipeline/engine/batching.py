@@ -7,12 +7,16 @@ context chunk ends with the question, so the question lies inside the observatio
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from ..kv.config import CompressionConfig
 from .prompts import EncodedPrompt, PromptBuilder
 from .types import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,3 +73,25 @@ def left_pad(
             ids[b, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
             pos[b, width - len(seq) :] = torch.arange(len(seq)) + int(offsets[b])
     return ids.to(device), pos.to(device)
+
+
+def warn_below_window(rows: list[Row], cfg: CompressionConfig) -> None:
+    """A ``cache_size`` whose share of a document falls below the observation window keeps the window
+    instead (:func:`pipeline.kv.allocation.row_budgets`): say so, with what is kept."""
+    if not cfg.compresses or cfg.budget is not None:
+        return
+    for row in rows:
+        n = len(row.prompt.context_ids)
+        share, kept = round(n * cfg.cache_size), min(cfg.window, n)
+        if share < kept:
+            logger.warning(
+                "document %r: cache_size %g of its %d context tokens is %d entries per KV head, below the "
+                "observation window (%d tokens, always kept); it keeps %d per head (%.1f %% of the context)",
+                row.request.doc_id,
+                cfg.cache_size,
+                n,
+                share,
+                cfg.window,
+                kept,
+                100 * kept / max(n, 1),
+            )

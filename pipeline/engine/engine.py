@@ -32,7 +32,7 @@ from ..kv.config import CompressionConfig
 from ..kv.phases import Phase
 from ..kv.rope import model_rotary
 from .answers import ContextCost, ModelShape, make_answers
-from .batching import Row, rows_for
+from .batching import Row, rows_for, warn_below_window
 from .config import GenerationConfig, ModelConfig
 from .decoding import Decoder
 from .kvzap_file import load_kvzap, resolve_kvzap
@@ -154,6 +154,7 @@ class Engine:
         runs the ``LAYER`` and ``PREFILL`` phases inside the cache; the ``PASSES`` phase (KVzip's
         reconstruction passes) runs here after it. Returns (context lengths (B,), last logits (B, V))."""
         cfg = cache.compressor.config
+        warn_below_window(rows, cfg)
         if cfg.chunked:
             return self.decoder.prefill_chunked(rows, cache, cfg.cache_size, cfg.prefill_chunk)
         ctx_len, logits = self.decoder.prefill(rows, cache, cfg.cache_size)

@@ -30,7 +30,7 @@ from ..kv.capture import CaptureCache
 from ..kv.compress import Compressor
 from ..kv.phases import Phase
 from .answers import ContextCost, make_answers
-from .batching import Row
+from .batching import Row, warn_below_window
 from .memory import PeakMemory, now
 from .types import Answer, Setting
 
@@ -78,6 +78,9 @@ class SweepBatch:
 
     def run(self) -> list[Answer]:
         engine, rows = self.engine, self.rows
+        for compressor in self.compressors:
+            if not compressor.config.chunked:  # a chunked setting's own prefill warns
+                warn_below_window(rows, compressor.config)
         meter = PeakMemory(engine.device)
         with meter:
             capture = CaptureCache(engine.shape.num_layers, self.compressors)

@@ -333,3 +333,16 @@ def test_chunked_prefill_refuses_kvzip_and_the_decode_cap():
     with pytest.raises(ValueError, match="cannot be combined"):
         CompressionConfig(method="snapkv", cache_size=0.2, prefill_chunk=512, max_cache_tokens=64)
     CompressionConfig(method="layer-kvzip", cache_size=1.0, prefill_chunk=512)  # keeps everything: no chunking
+
+
+def test_a_cache_size_below_the_window_keeps_the_window_and_warns(caplog):
+    """cache_size 1e-9 used to keep one entry per KV head silently; the window (4 here) is always kept
+    and the engine says so, naming the document; the kept bytes report what was kept."""
+    engine = _engine(method="snapkv", cache_size=1e-9, max_new=3)
+    with caplog.at_level("WARNING", logger="pipeline.engine.batching"):
+        (answer,) = engine.generate([Request("tiny-share", TEXT * 3, ["Who jumps?"])])
+    assert answer.error is None
+    shape = engine.shape
+    assert answer.kv_entries_kept == 4 * shape.num_layers * shape.num_kv_heads
+    assert "'tiny-share'" in caplog.text and "below the observation window (4 tokens" in caplog.text
+    assert "keeps 4 per head" in caplog.text

@@ -20,12 +20,16 @@ class SafeguardOptions(BaseModel):
 def row_budgets(
     lengths: torch.Tensor, cache_size: float, budget: int | None, window: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (budget, window), both (B,) long. lengths: (B,) real (unpadded) token counts."""
+    """Per-row (budget, window), both (B,) long. lengths: (B,) real (unpadded) token counts.
+
+    The window (the row's last ``window`` tokens, or all of a shorter row) is always kept: a
+    ``cache_size`` whose share of a row falls below it is raised to it (the engine warns; the kept
+    count is what the output reports). A ``budget`` below the window is refused by the config."""
     lengths = lengths.to(torch.long)
     if budget is not None:
         b = torch.full_like(lengths, int(budget))
     else:
         b = torch.round(lengths.double() * cache_size).to(torch.long)
-    b = torch.minimum(b.clamp(min=1), lengths.clamp(min=1))
-    w = torch.minimum(torch.full_like(lengths, int(window)), b)
+    w = torch.minimum(torch.full_like(lengths, int(window)), lengths.clamp(min=1))
+    b = torch.minimum(torch.maximum(b, w), lengths.clamp(min=1))
     return b, w
