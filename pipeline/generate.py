@@ -17,7 +17,7 @@ from .engine.config import GenerationConfig, ModelConfig
 from .engine.engine import Engine
 from .engine.loading import ModelNotFoundError
 from .engine.types import Answer, Request
-from .kv.config import CompressionConfig
+from .kv.config import CompressionConfig, default_compression
 from .options import OptionParser, fail
 
 
@@ -32,7 +32,7 @@ class GenerateRun(BaseModel):
     )
     answer_prefix: str = Field("", description="text the answer starts with")
     model: ModelConfig = Field(default_factory=ModelConfig)
-    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    compression: CompressionConfig = Field(default_factory=default_compression)  # the jobs' default too
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
 

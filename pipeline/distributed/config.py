@@ -36,16 +36,9 @@ from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.kvzap_file import resolve_kvzap
 from pipeline.engine.loading import model_may_exist
 from pipeline.engine.priors import resolve_head_priors
-from pipeline.kv.config import CompressionConfig
+from pipeline.kv.config import CompressionConfig, default_compression
 
 JOBS = ("longdoc_qa", "summarize", "eval_compression")
-# The batch jobs' default compression, chosen by measurement (README, "The learned one-pass scorer"):
-# KVzap's predicted KVzip+ scores with the calibrated cross-layer shares and CriticalKV's selection keep
-# the full cache's RULER score like criticalkv-layer-kvzip (the previous default) at the cost of a plain
-# prefill (no reconstruction passes) and in less memory (each layer compressed right after its
-# attention; no dense cache held). --method criticalkv-layer-kvzip is still there.
-DEFAULT_JOB_METHOD = "criticalkv-shares-kvzap"
-DEFAULT_JOB_CACHE_SIZE = 0.4
 HIDDEN = {"cli": False}
 
 
@@ -281,9 +274,7 @@ class LongDocQAJob(JobConfig):
     """Input and output"""
 
     job: Literal["longdoc_qa"] = Field("longdoc_qa", json_schema_extra=HIDDEN)
-    compression: CompressionConfig = Field(
-        default_factory=lambda: CompressionConfig(method=DEFAULT_JOB_METHOD, cache_size=DEFAULT_JOB_CACHE_SIZE)
-    )
+    compression: CompressionConfig = Field(default_factory=default_compression)
     generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
 
     cli_exclude: ClassVar[tuple[str, ...]] = ("instruction", "generation.settings_per_decode")
@@ -299,9 +290,7 @@ class SummarizeJob(JobConfig):
     metric: str = Field("rouge_l", description="scores summaries against a reference column, when there is one")
     sample_docs: int = Field(2, ge=1, description="built-in samples: number of documents")
     sample_words: int = Field(400, ge=50, description="built-in samples: words per document")
-    compression: CompressionConfig = Field(
-        default_factory=lambda: CompressionConfig(method=DEFAULT_JOB_METHOD, cache_size=DEFAULT_JOB_CACHE_SIZE)
-    )
+    compression: CompressionConfig = Field(default_factory=default_compression)
     generation: GenerationConfig = Field(
         default_factory=lambda: GenerationConfig(max_new_tokens=256, end_at_sentence=True)
     )

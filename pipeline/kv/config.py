@@ -238,3 +238,14 @@ class CompressionConfig(_CompressionCore, *_part_options()):
         for model in _part_options():
             groups.append(((model.__doc__ or model.__name__).strip(), list(model.model_fields)))
         return groups
+
+
+#: The product's default compression, for the batch jobs and ``pipeline.generate`` alike; chosen by
+#: measurement (the sweeps and costs behind it: docs/results/kvzap/README.md).
+DEFAULT_METHOD = "criticalkv-shares-kvzap"
+DEFAULT_CACHE_SIZE = 0.4
+
+
+def default_compression() -> CompressionConfig:
+    """The product's default compression (see :data:`DEFAULT_METHOD`)."""
+    return CompressionConfig(method=DEFAULT_METHOD, cache_size=DEFAULT_CACHE_SIZE)

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from pipeline.apps.batch_jobs import config_from_args
 from pipeline.distributed import JobConfigError, run_job
-from pipeline.distributed.config import DEFAULT_JOB_CACHE_SIZE, DEFAULT_JOB_METHOD, JobConfig
+from pipeline.distributed.config import JobConfig
+from pipeline.kv.config import DEFAULT_CACHE_SIZE, DEFAULT_METHOD
 from tests.distributed.conftest import ROOT, tiny_config
 
 
@@ -91,8 +92,8 @@ def test_yaml_then_flags_layering(tmp_path):
 def test_job_defaults_and_fresh_output_dir():
     qa = config_from_args("longdoc_qa", [])
     assert qa.job == "longdoc_qa" and qa.input is None and qa.model.name == "smollm2"
-    assert qa.compression.method == DEFAULT_JOB_METHOD == "criticalkv-shares-kvzap"
-    assert qa.compression.cache_size == DEFAULT_JOB_CACHE_SIZE and str(qa.output).startswith("outputs/longdoc_qa-")
+    assert qa.compression.method == DEFAULT_METHOD == "criticalkv-shares-kvzap"
+    assert qa.compression.cache_size == DEFAULT_CACHE_SIZE and str(qa.output).startswith("outputs/longdoc_qa-")
     summary = config_from_args("summarize", ["--max-new-tokens", "50"])
     assert summary.instruction and summary.generation.max_new_tokens == 50
     assert str(summary.output).startswith("outputs/summarize-")
@@ -121,7 +122,7 @@ def test_every_option_has_help_with_its_default():
             if action.option_strings and action.dest not in ("help", "config"):
                 assert action.help and ("default:" in action.help or "(required)" in action.help), action.dest
         text = parser.parser.format_help()
-        assert "--method METHOD" in text and f"(default: {DEFAULT_JOB_METHOD})" in text
+        assert "--method METHOD" in text and f"(default: {DEFAULT_METHOD})" in text
     assert "--question-column" in build_parser("longdoc_qa").parser.format_help()
     assert "--question-column" not in build_parser("summarize").parser.format_help()
     assert "--instruction" not in build_parser("longdoc_qa").parser.format_help()

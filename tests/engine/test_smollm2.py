@@ -10,7 +10,7 @@ from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
-from pipeline.kv.config import CompressionConfig
+from pipeline.kv.config import DEFAULT_CACHE_SIZE, DEFAULT_METHOD, CompressionConfig
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +82,7 @@ def test_generate_cli_json(tmp_path, smollm2):
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert NEEDLE in row["prediction"]
+    assert (row["method"], row["cache_size"]) == (DEFAULT_METHOD, DEFAULT_CACHE_SIZE)  # the jobs' default
     for key in [
         "doc_id",
         "question_id",
