@@ -51,6 +51,21 @@ def last_sentence_end(text: str) -> str:
     return text[: ends[-1].end()] if ends else text
 
 
+def answer_text(tokenizer, tokens: list[int], cut: bool, end_at_sentence: bool = False) -> str:
+    """The answer's text. An answer ``cut`` by its token limit may end inside a multi-byte character
+    (byte-level tokenizers): the incomplete character's tokens (at most 3) are left out rather than
+    decoded to U+FFFD; with ``end_at_sentence`` a cut answer ends at its last complete sentence."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if cut:
+        for drop in range(1, min(3, len(tokens)) + 1):
+            if not text.endswith("\ufffd"):
+                break
+            text = tokenizer.decode(tokens[:-drop], skip_special_tokens=True)
+        if end_at_sentence:
+            text = last_sentence_end(text)
+    return text
+
+
 def eos_token_ids(model, tokenizer) -> set[int]:
     """Every id the model or tokenizer declares as end of sequence."""
     ids: set[int] = set()
@@ -191,8 +206,7 @@ class Decoder:
         return results, logits, mark
 
     def _text(self, tokens: list[int], stop_id: int | None) -> str:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return last_sentence_end(text) if self.end_at_sentence and stop_id is None else text
+        return answer_text(self.tokenizer, tokens, cut=stop_id is None, end_at_sentence=self.end_at_sentence)
 
     def _greedy(
         self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor, limits: list[int]
