@@ -75,10 +75,24 @@ def _comma_list(item_type):
     return parse
 
 
+def _or_none(item_type):
+    """A number, or ``none`` for an optional field (e.g. ``--prefill-chunk none``: one pass)."""
+
+    def parse(text: str):
+        return None if text.strip().lower() == "none" else item_type(text)
+
+    parse.__name__ = f"{item_type.__name__} or none"
+    return parse
+
+
 def _argparse_kwargs(annotation: Any) -> dict | None:
-    """How argparse reads a value of this type (None: not settable from the command line)."""
+    """How argparse reads a value of this type (None: not settable from the command line). An
+    optional number also takes ``none``."""
+    optional = _strip_optional(annotation) is not annotation
     annotation = _strip_optional(annotation)
     origin = typing.get_origin(annotation)
+    if optional and annotation in (int, float):
+        return {"type": _or_none(annotation)}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
     if origin is Literal:

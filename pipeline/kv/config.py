@@ -109,7 +109,7 @@ class _CompressionCore(BaseModel):
         ge=1,
         description="prefill the context this many tokens at a time, compressing the cache to the kept "
         "fraction of the tokens seen after each chunk (peak memory: the compressed cache + one chunk); "
-        "default: the whole context in one pass",
+        "none: the whole context in one pass",
     )
     variant: str | None = Field(
         None,

@@ -247,3 +247,14 @@ def test_remote_code_check_lets_native_types_and_trusted_repositories_through(tm
         check_remote_code(custom, ModelConfig(name="custom"))
     check_remote_code(custom, ModelConfig(name="custom", trust_remote_code=True))
     check_remote_code(native, ModelConfig(name="native"))  # transformers uses its own llama code
+
+
+def test_an_optional_number_takes_none_on_the_command_line(tmp_path, capsys):
+    out = ["--output", str(tmp_path / "o")]
+    chunked = config_from_args("longdoc_qa", ["--prefill-chunk", "512", "--budget", "64"] + out).compression
+    assert (chunked.prefill_chunk, chunked.budget) == (512, 64)
+    plain = config_from_args("longdoc_qa", ["--prefill-chunk", "none", "--budget", "None"] + out).compression
+    assert (plain.prefill_chunk, plain.budget) == (None, None)
+    with pytest.raises(SystemExit) as info:
+        config_from_args("longdoc_qa", ["--prefill-chunk", "many"] + out)
+    assert info.value.code == 2 and "invalid int or none value: 'many'" in capsys.readouterr().err
