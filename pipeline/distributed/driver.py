@@ -139,6 +139,23 @@ def _progress_printer(docs_scheduled: int | None) -> Callable[[pa.Table, int], N
     return report
 
 
+ABANDONED = (
+    "its driver ended without recording the run's end: killed, or the manifest could not be written "
+    "(e.g. full storage; that run's last error line said which)"
+)
+
+
+def close_abandoned_runs(manifest: dict) -> None:
+    """Runs a manifest still calls ``running`` when a new run opens it: their driver died, or could not
+    write the manifest at the end (a full disk). They become ``interrupted``, with an ``error`` saying so
+    where the run recorded none."""
+    for old in manifest["runs"]:
+        if old.get("status") == "running":
+            old["status"] = "interrupted"
+            old["error"] = old.get("error") or ABANDONED
+            old["ended_at"] = old.get("ended_at") or now_iso()
+
+
 class _Run:
     """One run into a locked output directory: schedule what is not committed, run Ray, check, record."""
 
@@ -174,9 +191,7 @@ class _Run:
                 "created_at": now_iso(),
                 "runs": [],
             }
-        for old in manifest["runs"]:
-            if old.get("status") == "running":  # its driver died without updating the manifest
-                old["status"] = "interrupted"
+        close_abandoned_runs(manifest)
         return manifest
 
     def _schedule(self, docs: pa.Table | None, committed: sink.Committed):

@@ -37,3 +37,21 @@ def test_an_actor_that_failed_to_start_is_described_by_its_constructor_error():
 def test_storage_hint_names_full_storage():
     assert "full" in storage_hint(OSError(errno.ENOSPC, "No space left on device"))
     assert storage_hint(ValueError("other")) is None
+
+
+def test_a_run_left_running_is_closed_with_an_error_by_the_next_run():
+    """A full disk can keep the manifest from recording a run's failure; the run that opens the
+    manifest next records that the earlier one ended without saying how, instead of nothing."""
+    from pipeline.distributed.driver import ABANDONED, close_abandoned_runs
+
+    manifest = {
+        "runs": [
+            {"run_id": "a", "status": "failed", "error": "OSError: No space left on device", "ended_at": "t1"},
+            {"run_id": "b", "status": "running", "error": None, "ended_at": None},
+        ]
+    }
+    close_abandoned_runs(manifest)
+    first, second = manifest["runs"]
+    assert first == {"run_id": "a", "status": "failed", "error": "OSError: No space left on device", "ended_at": "t1"}
+    assert second["status"] == "interrupted" and second["error"] == ABANDONED and second["ended_at"]
+    assert "full storage" in ABANDONED
