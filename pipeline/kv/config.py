@@ -241,8 +241,8 @@ class CompressionConfig(_CompressionCore, *_part_options()):
 
 
 #: The product's default compression, for the batch jobs and ``pipeline.generate`` alike; chosen by
-#: measurement (the sweeps and costs behind it: docs/results/kvzap/README.md).
-DEFAULT_METHOD = "criticalkv-shares-kvzap"
+#: measurement (why this one and not the learned one-pass method: docs/results/kvzap/README.md).
+DEFAULT_METHOD = "criticalkv-layer-kvzip"
 DEFAULT_CACHE_SIZE = 0.4
 
 

@@ -92,14 +92,14 @@ def test_yaml_then_flags_layering(tmp_path):
 def test_job_defaults_and_fresh_output_dir():
     qa = config_from_args("longdoc_qa", [])
     assert qa.job == "longdoc_qa" and qa.input is None and qa.model.name == "smollm2"
-    assert qa.compression.method == DEFAULT_METHOD == "criticalkv-shares-kvzap"
+    assert qa.compression.method == DEFAULT_METHOD == "criticalkv-layer-kvzip"
     assert qa.compression.cache_size == DEFAULT_CACHE_SIZE and str(qa.output).startswith("outputs/longdoc_qa-")
     summary = config_from_args("summarize", ["--max-new-tokens", "50"])
     assert summary.instruction and summary.generation.max_new_tokens == 50
     assert str(summary.output).startswith("outputs/summarize-")
     # a flag over the job's default method keeps the rest of it: selection stays criticalkv
     partial = config_from_args("longdoc_qa", ["--allocation", "adakv", "--cache-size", "0.3"])
-    assert partial.compression.method == "criticalkv-adakv-kvzap" and partial.compression.cache_size == 0.3
+    assert partial.compression.method == "criticalkv-adakv-kvzip" and partial.compression.cache_size == 0.3
     assert config_from_args("longdoc_qa", ["--method", "none"]).compression.method == "none"
 
 
@@ -196,13 +196,19 @@ def test_missing_model_file_fails_before_ray(tmp_path, monkeypatch):
     check_model(config.model_copy(update={"ray_address": "ray://cluster:10001"}))  # may exist on the workers only
 
 
+KVZAP = ["--method", "criticalkv-shares-kvzap"]
+
+
 def test_a_kvzap_file_made_for_another_model_fails_before_ray_with_exit_code_2(tmp_path, capsys):
     from tests.tiny import tiny_kvzap_file, tiny_loaded
 
     path = tiny_kvzap_file(tiny_loaded("llama"), tmp_path)  # calibrated for "tiny-llama"
     cases = [
-        (["--kvzap-model", str(path)], "was calibrated for model 'tiny-llama', but this run uses model 'smollm2'"),
-        (["--kvzap-model", str(tmp_path / "none.safetensors")], "kvzap_model: file not found"),
+        (
+            KVZAP + ["--kvzap-model", str(path)],
+            "was calibrated for model 'tiny-llama', but this run uses model 'smollm2'",
+        ),
+        (KVZAP + ["--kvzap-model", str(tmp_path / "none.safetensors")], "kvzap_model: file not found"),
         (["--model", str(tmp_path), "--method", "shares-snapkv"], f"none ships for model '{tmp_path}'"),
     ]
     for argv, message in cases:
@@ -210,8 +216,8 @@ def test_a_kvzap_file_made_for_another_model_fails_before_ray_with_exit_code_2(t
             config_from_args("longdoc_qa", argv + ["--output", str(tmp_path / "o")])
         assert info.value.code == 2
         assert message in capsys.readouterr().err
-    # the default method on the bundled model resolves the shipped file
-    assert config_from_args("longdoc_qa", ["--output", str(tmp_path / "o")]).compression.kvzap_model is None
+    # the learned method on the bundled model resolves the shipped file
+    assert config_from_args("longdoc_qa", KVZAP + ["--output", str(tmp_path / "o")]).compression.kvzap_model is None
 
 
 def _custom_code_model(directory, model_type="my_custom_lm"):
@@ -250,7 +256,7 @@ def test_remote_code_check_lets_native_types_and_trusted_repositories_through(tm
 
 
 def test_an_optional_number_takes_none_on_the_command_line(tmp_path, capsys):
-    out = ["--output", str(tmp_path / "o")]
+    out = ["--output", str(tmp_path / "o")] + KVZAP  # a one-pass scorer: it can be chunked
     chunked = config_from_args("longdoc_qa", ["--prefill-chunk", "512", "--budget", "64"] + out).compression
     assert (chunked.prefill_chunk, chunked.budget) == (512, 64)
     plain = config_from_args("longdoc_qa", ["--prefill-chunk", "none", "--budget", "None"] + out).compression
