@@ -176,7 +176,8 @@ def test_list_references_must_match_the_questions():
 
 @pytest.mark.slow
 def test_normalise_batch_inside_ray_map_batches():
-    ray = pytest.importorskip("ray")
+    import ray  # a hard dependency: missing, the test must fail, not skip
+
     from pipeline.data import question_rows, sample_qa_documents
 
     docs = sample_qa_documents(4, 200)

@@ -24,6 +24,7 @@ from pipeline.data import read_table, rows_to_table, write_documents
 from pipeline.data.locations import StorageError, is_uri, resolve, s3_options
 from pipeline.distributed import JobConfigError, run_job, sink
 from pipeline.report.tables import read_outputs
+from tests.dev_extra import require_dev
 from tests.distributed.conftest import ROOT, small_docs, tiny_config
 
 BUCKET = "criticalkv-test"
@@ -102,7 +103,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def s3_env():
     """moto's S3 server on 127.0.0.1 and the AWS_* variables pointing at it (restored afterwards)."""
-    server_mod = pytest.importorskip("moto.server", reason="moto[server] (dev extra) runs the local S3")
+    server_mod = require_dev("moto.server")
     port = _free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
@@ -130,7 +131,8 @@ def s3_env():
 @pytest.fixture(scope="module")
 def s3_ray(s3_env):
     """A local Ray whose workers (actors, write tasks, read tasks) see the same S3 settings."""
-    ray = pytest.importorskip("ray")
+    import ray  # a hard dependency: missing, the test must fail, not skip
+
     if ray.is_initialized():
         ray.shutdown()
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")

@@ -5,19 +5,17 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import pytest
+import ray  # noqa: F401 - a hard dependency: missing, these checks fail rather than skip
 import yaml
+from packaging.version import Version
+
+from tests.dev_extra import require_dev
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
-from packaging.version import Version  # noqa: E402
-
-jsonschema = pytest.importorskip("jsonschema")
-
-
-ray = pytest.importorskip("ray")
+    tomllib = require_dev("tomli")
+jsonschema = require_dev("jsonschema")
 
 
 REPO = Path(__file__).resolve().parents[2]

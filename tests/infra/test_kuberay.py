@@ -149,3 +149,8 @@ def test_checks_reject_broken_rayjob_entrypoints():
     assert any("rejects" in p for p in entrypoint_problems(entrypoint + " --cache-size lots"))
     local = re.sub(r"--output \S+", "--output /tmp/out", entrypoint)
     assert any("object storage URI" in p for p in entrypoint_problems(local))
+
+
+def test_a_mistyped_job_script_fails_instead_of_skipping():
+    with pytest.raises(pytest.fail.Exception, match="jobs/longdoc_qaa.py.*does not exist"):
+        _require_job_scripts(["python jobs/longdoc_qaa.py --output s3://b/o"])
