@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.allocation import row_budgets
 from ..kv.config import CompressionConfig
 from .prompts import EncodedPrompt, PromptBuilder
 from .types import Request
@@ -80,9 +81,10 @@ def warn_below_window(rows: list[Row], cfg: CompressionConfig) -> None:
     instead (:func:`pipeline.kv.allocation.row_budgets`): say so, with what is kept."""
     if not cfg.compresses or cfg.budget is not None:
         return
-    for row in rows:
-        n = len(row.prompt.context_ids)
-        share, kept = round(n * cfg.cache_size), min(cfg.window, n)
+    lengths = torch.tensor([len(row.prompt.context_ids) for row in rows])
+    kept_per_row, _ = row_budgets(lengths, cfg.cache_size, None, cfg.window)  # the one budget rule
+    for row, n, kept in zip(rows, lengths.tolist(), kept_per_row.tolist()):
+        share = round(n * cfg.cache_size)
         if share < kept:
             logger.warning(
                 "document %r: cache_size %g of its %d context tokens is %d entries per KV head, below the "
