@@ -112,7 +112,7 @@ class Decoder:
         contexts = [r.prompt.context_ids for r in rows]
         ctx_len = torch.tensor([len(c) for c in contexts])
         logits = None
-        cache.begin_chunked_prefill()
+        cache.begin_chunked_prefill(ctx_len.to(self.device))
         for begin in range(0, int(ctx_len.max()), chunk):
             pieces = [c[begin : begin + chunk] for c in contexts]
             ids, pos = left_pad(pieces, torch.full((len(rows),), begin), self.pad_id, self.device)

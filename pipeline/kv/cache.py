@@ -190,17 +190,19 @@ class VarLenCache(ChunkCache):
         return self.compressor.needs_hidden_states and prefilling
 
     # ------------------------------------------------------------------ chunked prefill
-    def begin_chunked_prefill(self) -> None:
-        """Prefill chunks go through :class:`~pipeline.kv.chunked.ChunkedCompression` until
-        :meth:`end_chunked_prefill`; call :meth:`compress_chunk` after each chunk's forward."""
+    def begin_chunked_prefill(self, lengths: torch.Tensor) -> None:
+        """Prefill chunks of contexts of ``lengths`` (B,) tokens go through
+        :class:`~pipeline.kv.chunked.ChunkedCompression` until :meth:`end_chunked_prefill`; call
+        :meth:`compress_chunk` after each chunk's forward."""
         if self.cap is not None or self.compressor.phase is Phase.PASSES:
             raise ValueError("a chunked prefill cannot use the decode-time cap or a reconstruction scorer (kvzip)")
         if any(layer is not None for layer in self.store):
             raise RuntimeError("a chunked prefill starts from an empty cache")
-        self.chunked = ChunkedCompression(self, _Timer)
+        self.chunked = ChunkedCompression(self, _Timer, lengths.to(torch.long))
 
     def compress_chunk(self, seen: torch.Tensor) -> None:
-        """After a chunk's forward: compress every layer to the running budget of ``seen`` (B,) tokens."""
+        """After a chunk's forward (``seen``: (B,) each row's tokens so far): compress every layer
+        to the budget ``chunk_budget`` names."""
         with _Timer(seen.device) as timer:
             self.chunked.compress(seen)
         self.compress_seconds += timer.seconds

@@ -11,15 +11,27 @@ Per chunk k (positions [k*C, (k+1)*C) of every row; rows that already ended are 
    with no observation window): the entries' *raw* scores, -inf on padding, +inf on sinks;
 2. after the whole chunk (every layer), :meth:`ChunkedCompression.compress` selects, per layer, from
    the union of the held entries (with the raw scores they were kept with) and the chunk's entries,
-   with the method's own allocation and selection at the running budget ``round(cache_size * seen)``
-   per head (``seen``: the row's tokens so far; the most recent ``window`` tokens are +inf, always
-   kept). A cross-layer allocation (``layer``) decides over every layer's union at once: what it
-   holds is the compressed cache plus one chunk per layer. The kept entries are copied into an
-   exactly sized store and the raw scores of what was kept are remembered for the next chunk.
+   with the method's own allocation and selection (the most recent ``window`` tokens are +inf, always
+   kept) at the budget ``chunk_budget`` names:
+
+   - ``final`` (the default): the budget the allocation gives the whole document (its length is known
+     before the prefill), each head keeping at most what it has seen. A head keeps every entry until
+     it holds its final count; after that an entry leaves only when the final count of better-scored
+     entries is held. For a scorer whose score of an entry depends on that entry alone and a top-k
+     selection, the kept set is the one a one-pass prefill would choose from the same scores (the
+     scores themselves differ from one pass's only through later chunks attending to the compressed
+     earlier ones). Peak: the final cache + one chunk.
+   - ``running``: ``round(cache_size * seen)`` per row (``seen``: the row's tokens so far): less
+     memory during the early chunks, but an early chunk keeps only the kept fraction of itself even
+     where its scores are the document's best.
+
+   A cross-layer allocation (``layer``) decides over every layer's union at once: what it holds is
+   the compressed cache plus one chunk per layer. The kept entries are copied into an exactly sized
+   store and the raw scores of what was kept are remembered for the next chunk.
 
 A score is the one computed when its entry's chunk went through the model: exact for scorers whose
-score of an entry depends on that entry alone (``kvzap``, ``knorm``, ``streamingllm``); window
-scorers score each chunk from its own last window. Scorers that need the whole context
+score of an entry depends on that entry alone (``kvzap``, ``streamingllm``); ``knorm`` normalises
+its scores over each chunk, and window scorers score each chunk from its own last window. Scorers that need the whole context
 (``kvzip``'s reconstruction passes) are refused, as is the decode-time cap. One chunk as long as the
 context keeps exactly the entries of the unchunked prefill (tested).
 """
@@ -74,8 +86,9 @@ def kept_in_order(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class ChunkedCompression:
     """The state of one chunked prefill over ``cache`` (see the module docstring)."""
 
-    def __init__(self, cache: VarLenCache, timer) -> None:
+    def __init__(self, cache: VarLenCache, timer, lengths: torch.Tensor) -> None:
         self.cache, self.timer = cache, timer  # timer(device): a context manager with .seconds after it
+        self.lengths = lengths  # (B,) each row's whole context: the final budget's length
         layers = cache.num_layers
         self.held_scores: list[torch.Tensor | None] = [None] * layers  # (S, W) raw scores of held entries
         self.chunk_scores: list[torch.Tensor | None] = [None] * layers  # (B, H, T) raw scores of the chunk
@@ -174,7 +187,7 @@ class ChunkedCompression:
         compressor = self.cache.compressor
         bsz, heads = self.chunk_scores[layers[0]].shape[:2]
         positions, unions = zip(*(self._candidates(idx) for idx in layers))
-        scores, budgets, row_window = compressor.union_budgets(positions, unions, seen, layers)
+        scores, budgets, row_window = compressor.union_budgets(positions, unions, seen, self.lengths, layers)
         for j, idx in enumerate(layers):
             keys, values = self._keys_values(idx)
             module = self.modules[idx]

@@ -157,25 +157,33 @@ class Compressor:
         return torch.where(in_window, bare, with_window)
 
     def union_budgets(
-        self, positions, unions, seen: torch.Tensor, layers: list[int]
+        self, positions, unions, seen: torch.Tensor, lengths: torch.Tensor, layers: list[int]
     ) -> tuple[list, list, torch.Tensor]:
         """Per-head counts of every layer after a prefill chunk (:mod:`pipeline.kv.chunked`).
 
         positions: per layer (S, L) original positions of the candidates (S = B * H_kv; -1: none);
-        unions: per layer (S, L) raw scores; seen: (B,) tokens of each row so far (the running budget
-        is the kept fraction of them; the most recent ``window`` are always kept); layers: the layer
-        indices (every layer for a cross-layer allocation). Returns (scores
-        (B, H_kv, L) with the window at +inf, per layer; counts (B, H_kv) per layer; row windows (B,)).
+        unions: per layer (S, L) raw scores; seen: (B,) tokens of each row so far (the most recent
+        ``window`` of them are always kept); lengths: (B,) each row's whole context. The allocation
+        splits the budget of ``lengths`` (``chunk_budget`` final) or of ``seen`` (running); no head
+        keeps more than its candidates. layers: the layer indices (every layer for a cross-layer
+        allocation). Returns (scores (B, H_kv, L) with the window at +inf, per layer; counts
+        (B, H_kv) per layer; row windows (B,)).
         """
         cfg = self.config
         bsz = seen.shape[0]
         row_b, row_w = row_budgets(seen, cfg.cache_size, cfg.budget, cfg.window)
+        budget_of = seen
+        if cfg.chunk_budget == "final":
+            budget_of = lengths.to(seen.device)
+            row_b, _ = row_budgets(budget_of, cfg.cache_size, cfg.budget, cfg.window)
         scores, contexts = [], []
         for idx, pos, union in zip(layers, positions, unions):
             pos = pos.view(bsz, -1, pos.shape[-1])
             recent = (pos >= (seen - row_w)[:, None, None]) & (pos >= 0)
             scores.append(union.view(pos.shape).masked_fill(recent, float("inf")))
-            ctx = LayerContext(idx, None, None, pos, 1.0, seen, row_b, row_w, None, None, self.head_priors, self.kvzap)
+            ctx = LayerContext(
+                idx, None, None, pos, 1.0, budget_of, row_b, row_w, None, None, self.head_priors, self.kvzap
+            )
             contexts.append(ctx)  # an allocation reads scores, budgets, lengths and priors, never K/V
         if self.phase is Phase.PREFILL:  # across layers, which hold different numbers of candidates: one width
             width = max(sc.shape[-1] for sc in scores)
@@ -183,7 +191,8 @@ class Compressor:
             budgets = self.allocation.model_head_budgets(padded, contexts, cfg)
         else:
             budgets = [self.allocation.head_budgets(sc, ctx, cfg) for sc, ctx in zip(scores, contexts)]
-        return scores, budgets, row_w
+        held = [(ctx.key_pos >= 0).sum(-1) for ctx in contexts]  # (B, H_kv) candidates of each head
+        return scores, [torch.minimum(b.to(h.device), h) for b, h in zip(budgets, held)], row_w
 
     def union_select(self, idx, module, scores, budget, keys, values, seen, row_window) -> torch.Tensor:
         """Which of one layer's candidates are kept: keys/values (S, L, D) per segment, scores from

@@ -19,6 +19,7 @@ the window shrinks to the budget for that row.
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
@@ -107,9 +108,15 @@ class _CompressionCore(BaseModel):
     prefill_chunk: int | None = Field(
         None,
         ge=1,
-        description="prefill the context this many tokens at a time, compressing the cache to the kept "
-        "fraction of the tokens seen after each chunk (peak memory: the compressed cache + one chunk); "
-        "none: the whole context in one pass",
+        description="prefill the context this many tokens at a time, compressing the cache after each "
+        "chunk (peak memory: the compressed cache + one chunk); none: the whole context in one pass",
+    )
+    chunk_budget: Literal["final", "running"] = Field(
+        "final",
+        description="what a chunked prefill keeps after each chunk: final: up to the document's final budget "
+        "(known before the prefill; the kept set a one-pass prefill would choose for scorers that score an "
+        "entry alone, such as kvzap and knorm); running: the kept fraction of the tokens seen so far "
+        "(less memory while the early chunks go through, at some cost in quality)",
     )
     variant: str | None = Field(
         None,

@@ -4,8 +4,10 @@
   that can be chunked (batch 2, left padding);
 * small chunks against a naive reference written here: one row alone, every chunk recomputed by a
   full forward in which each query sees its own chunk causally plus what the cache kept before its
-  chunk, top-k of the raw scores at the running budget with the recent window kept;
-* the store never holds more than the running budget after a chunk.
+  chunk, top-k of the raw scores at the final or the running budget with the recent window kept;
+* the store never holds more than the budget after a chunk (the final one, or the running one);
+* with the final budget, the first layer's kept set (its keys do not depend on the earlier chunks)
+  is the one-pass prefill's, where the running budget loses early entries.
 """
 
 import math
@@ -28,9 +30,15 @@ WINDOW = 3
 CHUNKABLE = [m for m in COMPRESSING if not m.endswith("kvzip")]
 
 
-def _compressor(model, method, cache_size, chunk=None):
+def _compressor(model, method, cache_size, chunk=None, chunk_budget="final"):
     cfg = CompressionConfig(
-        method=method, cache_size=cache_size, window=WINDOW, kernel=3, sink_tokens=2, prefill_chunk=chunk
+        method=method,
+        cache_size=cache_size,
+        window=WINDOW,
+        kernel=3,
+        sink_tokens=2,
+        prefill_chunk=chunk,
+        chunk_budget=chunk_budget,
     )
     shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
     priors = torch.rand(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.1
@@ -60,7 +68,7 @@ def run_chunked(model, compressor, rows, chunk, after_chunk=None):
     cache = VarLenCache(model.config.num_hidden_layers, compressor)
     lengths = torch.tensor([len(r) for r in rows], device=DEVICE)
     last = [None] * len(rows)
-    cache.begin_chunked_prefill()
+    cache.begin_chunked_prefill(lengths)
     for begin in range(0, int(lengths.max()), chunk):
         pieces = [r[begin : begin + chunk] for r in rows]
         width = max(len(p) for p in pieces)
@@ -99,22 +107,73 @@ def test_one_chunk_keeps_what_the_one_pass_prefill_keeps(method):
     torch.testing.assert_close(logits_chunked, logits_one, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_budget", ["final", "running"])
 @pytest.mark.parametrize("method", ["kvzap", "shares-kvzap", "criticalkv-adakv-snapkv", "layer-knorm"])
-def test_store_stays_within_the_running_budget(method):
+def test_store_stays_within_the_budget(method, chunk_budget):
     model = tiny_model("qwen3", seed=2, layers=3)
     rows = _rows(2)
     heads = model.config.num_key_value_heads
 
     def check(cache, seen):
         for b, n in enumerate(seen.tolist()):
-            pool = 3 * heads * max(1, round(0.25 * n))
-            held = sum(int(cache.store[layer].length[b * heads + h]) for layer in range(3) for h in range(heads))
-            assert held <= pool + 3 * heads * WINDOW  # the window floor of each head at most
+            of = len(rows[b]) if chunk_budget == "final" else n
+            pool = 3 * heads * max(1, round(0.25 * of))
+            counts = [int(cache.store[layer].length[b * heads + h]) for layer in range(3) for h in range(heads)]
+            assert sum(counts) <= pool + 3 * heads * WINDOW  # the window floor of each head at most
+            assert max(counts) <= n
 
-    run_chunked(model, _compressor(model, method, 0.25, chunk=8), rows, 8, after_chunk=check)
+    run_chunked(model, _compressor(model, method, 0.25, chunk=8, chunk_budget=chunk_budget), rows, 8, check)
 
 
-def chunked_reference(model, ids, chunk, cache_size, score_fn):
+@pytest.mark.parametrize("chunk_budget", ["final", "running"])
+@pytest.mark.parametrize("method", ["kvzap", "shares-kvzap"])
+def test_final_budget_keeps_everything_until_a_head_is_full(method, chunk_budget):
+    """Per-head counts fixed by the allocation: with the final budget, after every chunk a head holds
+    min(its final count, what it held + the chunk's tokens); the running budget evicts earlier."""
+    model = tiny_model("qwen3", seed=2, layers=3)
+    rows = _rows(2)
+    heads = model.config.num_key_value_heads
+    history = []  # per chunk: (B,) tokens seen, (B, layers * heads) counts
+
+    def record(cache, seen):
+        counts = [
+            [int(cache.store[layer].length[b * heads + h]) for layer in range(3) for h in range(heads)]
+            for b in range(len(rows))
+        ]
+        history.append((seen.tolist(), counts))
+
+    run_chunked(model, _compressor(model, method, 0.25, chunk=8, chunk_budget=chunk_budget), rows, 8, record)
+    final = history[-1][1]
+    seen_before, held_before = [0] * len(rows), [[0] * (3 * heads) for _ in rows]
+    early = []
+    for seen, counts in history:
+        for b in range(len(rows)):
+            new = seen[b] - seen_before[b]
+            expected = [min(f, h + new) for f, h in zip(final[b], held_before[b])]
+            early.append(counts[b] != expected)
+            if chunk_budget == "final":
+                assert counts[b] == expected
+        seen_before, held_before = seen, counts
+    assert any(early) == (chunk_budget == "running")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+def test_final_budget_keeps_the_one_pass_first_layer(arch):
+    """Layer 0's inputs are the token embeddings, so its kvzap scores depend on each token alone: with
+    the final budget the chunked prefill keeps exactly the one-pass entries of that layer (an entry
+    evicted after a chunk is outranked by a head's final count of entries, which the one pass sees
+    too); the running budget loses early entries the one pass keeps."""
+    model = tiny_model(arch, seed=6)
+    rows = _rows(4)
+    one, _ = run_one_pass(model, _compressor(model, "kvzap", 0.3), rows)
+    final, _ = run_chunked(model, _compressor(model, "kvzap", 0.3, chunk=8), rows, 8)
+    running, _ = run_chunked(model, _compressor(model, "kvzap", 0.3, chunk=8, chunk_budget="running"), rows, 8)
+    first = [kept[0] for kept in _kept(one, model, rows)]
+    assert [kept[0] for kept in _kept(final, model, rows)] == first
+    assert [kept[0] for kept in _kept(running, model, rows)] != first
+
+
+def chunked_reference(model, ids, chunk, cache_size, score_fn, chunk_budget):
     """One row alone, naive: kept[l][h] positions after the last chunk and the last logits.
     score_fn(keys (H, T, D), attention inputs (T, hidden), layer, begin) -> (H, T) raw scores."""
     n, layers = len(ids), model.config.num_hidden_layers
@@ -124,8 +183,9 @@ def chunked_reference(model, ids, chunk, cache_size, score_fn):
         end = min(n, begin + chunk)
         history.append(kept)
         keys, inputs, logits = _masked_forward(model, ids[:end], chunk, history)
-        budget = min(max(round(cache_size * end), 1), end)
-        window = min(WINDOW, budget)
+        window = min(WINDOW, end)
+        budget_of = n if chunk_budget == "final" else end
+        budget = min(max(round(cache_size * budget_of), min(WINDOW, budget_of)), end)
         kept_now, held_now = [], []
         for layer in range(layers):
             raw = score_fn(keys[layer][:, begin:end], inputs[layer][begin:end], layer, begin)
@@ -179,12 +239,13 @@ def _masked_forward(model, ids, chunk, history):
 
 
 # (qwen3 normalises its keys, so knorm's scores there are ties broken by rounding: not a test of anything)
+@pytest.mark.parametrize("chunk_budget", ["final", "running"])
 @pytest.mark.parametrize(
     "arch,method", [("llama", "kvzap"), ("qwen3", "kvzap"), ("llama", "knorm"), ("mistral", "knorm")]
 )
-def test_small_chunks_match_the_naive_reference(arch, method):
+def test_small_chunks_match_the_naive_reference(arch, method, chunk_budget):
     model = tiny_model(arch, seed=5)
-    compressor = _compressor(model, method, 0.3, chunk=12)
+    compressor = _compressor(model, method, 0.3, chunk=12, chunk_budget=chunk_budget)
     kvzap = compressor.kvzap
 
     def score_fn(keys, hidden, layer, begin):
@@ -198,6 +259,6 @@ def test_small_chunks_match_the_naive_reference(arch, method):
     cache, logits = run_chunked(model, compressor, rows, 12)
     ours = _kept(cache, model, rows)
     for b, row in enumerate(rows):
-        kept, ref_logits = chunked_reference(model, row, 12, 0.3, score_fn)
+        kept, ref_logits = chunked_reference(model, row, 12, 0.3, score_fn, chunk_budget)
         assert ours[b] == kept
         torch.testing.assert_close(logits[b], ref_logits, rtol=1e-4, atol=1e-4)
