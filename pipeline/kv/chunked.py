@@ -31,9 +31,9 @@ Per chunk k (positions [k*C, (k+1)*C) of every row; rows that already ended are 
 
 A score is the one computed when its entry's chunk went through the model: exact for scorers whose
 score of an entry depends on that entry alone (``kvzap``, ``streamingllm``); ``knorm`` normalises
-its scores over each chunk, and window scorers score each chunk from its own last window. Scorers that need the whole context
-(``kvzip``'s reconstruction passes) are refused, as is the decode-time cap. One chunk as long as the
-context keeps exactly the entries of the unchunked prefill (tested).
+its scores over each chunk, and window scorers score each chunk from its own last window. Scorers
+that need the whole context (``kvzip``'s reconstruction passes) are refused, as is the decode-time
+cap. One chunk as long as the context keeps exactly the entries of the unchunked prefill (tested).
 """
 
 from __future__ import annotations
