@@ -262,7 +262,9 @@ class JobConfig(BaseModel):
             "model": self.model.model_dump(mode="json", exclude={"cache_dir", "weight_layout"}),
             "compression": self.compression.model_dump(mode="json"),
             "sweep": [c.model_dump(mode="json") for c in self.sweep],
-            "generation": self.generation.model_dump(mode="json", exclude={"batch_size", "settings_per_decode"}),
+            "generation": self.generation.model_dump(
+                mode="json", exclude={"batch_size", "settings_per_decode", "kv_memory"}
+            ),
         }
 
     def fingerprint(self) -> str:

@@ -67,6 +67,14 @@ class GenerationConfig(_Strict):
         description="sweeps: compressed settings of one batch decoded together as one batch "
         "(1: each alone, with its own decode times)",
     )
+    kv_memory: float | None = Field(
+        None,
+        gt=0,
+        description="MiB of KV cache per actor for a continuous decode batch: the documents of an actor call "
+        "(--batch-size of them) are prefilled one by one and decoded together while their caches fit, rows "
+        "leaving as their answers end and waiting documents joining as memory frees; none: the call's "
+        "documents are prefilled together and decoded until the longest answer ends (sweeps always are)",
+    )
     end_at_sentence: bool = Field(
         False, description="an answer cut by max_new_tokens ends at its last complete sentence (summaries)"
     )

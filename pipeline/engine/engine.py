@@ -34,6 +34,7 @@ from ..kv.rope import model_rotary
 from .answers import ContextCost, ModelShape, make_answers
 from .batching import Row, rows_for, warn_below_window
 from .config import GenerationConfig, ModelConfig
+from .continuous import ContinuousBatch
 from .decoding import Decoder
 from .kvzap_file import load_kvzap, resolve_kvzap
 from .loading import LoadedModel, load_model
@@ -122,8 +123,17 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def generate(self, requests: list[Request]) -> list[Answer]:
         """Answer every question of every request; a failing request yields answers with ``error``
-        set and never affects the others. Answers follow the input order."""
+        set and never affects the others. Answers follow the input order. With ``kv_memory`` the
+        requests' rows go through one continuous decode batch (:mod:`pipeline.engine.continuous`)."""
+        if self.continuous:
+            return self._generate(requests, 1, self._run_continuous, whole=True)[0]
         return self._generate(requests, 1, lambda rows: self._run_batch(rows, self.compressor))[0]
+
+    @property
+    def continuous(self) -> bool:
+        """Whether :meth:`generate` decodes through a continuous batch (``kv_memory`` set, and no
+        decode-time cap, whose per-row eviction keeps each batch's rows together)."""
+        return self.generation.kv_memory is not None and self.compression.max_cache_tokens is None
 
     def generate_sweep(self, requests: list[Request], compressions: list[CompressionConfig]) -> list[list[Answer]]:
         """Answers for several compression settings from ONE prefill per batch.
@@ -173,9 +183,12 @@ class Engine:
         cache.finish_compression(scores)
 
     # ------------------------------------------------------------------ error isolation
-    def _generate(self, requests: list[Request], variants: int, run: BatchRunner) -> list[list[Answer]]:
-        """Batch rows, run ``run(rows) -> answers (variant-major, then row, then question)``, isolate
-        failures to single documents, and return per-variant answer lists in input order."""
+    def _generate(
+        self, requests: list[Request], variants: int, run: BatchRunner, whole: bool = False
+    ) -> list[list[Answer]]:
+        """Batch rows (all of them at once when ``whole``), run ``run(rows) -> answers (variant-major,
+        then row, then question)``, isolate failures to single documents, and return per-variant
+        answer lists in input order."""
         answers: dict[tuple[int, int, int], Answer] = {}
         rows: list[tuple[int, Row]] = []
         for i, request in enumerate(requests):
@@ -185,7 +198,7 @@ class Engine:
                 for v in range(variants):
                     for q, qid in enumerate(request.question_ids or ["0"]):
                         answers[(v, i, q)] = _error_answer(request, qid, exc)
-        size = self.generation.batch_size
+        size = max(len(rows), 1) if whole else self.generation.batch_size
         for begin in range(0, len(rows), size):
             batch = rows[begin : begin + size]
             try:
@@ -252,6 +265,17 @@ class Engine:
             meter.peak_bytes,
         )
         return make_answers(rows, ctx_len.tolist(), per_round, cost, self.shape, setting)
+
+    def _run_continuous(self, rows: list[Row]) -> list[Answer]:
+        """Every row through one continuous decode batch; a row it could not answer runs alone."""
+        budget = int(self.generation.kv_memory * 2**20)
+        results = ContinuousBatch(self, self.compressor, budget).run(rows)
+        answers = []
+        for row, result in zip(rows, results):
+            if isinstance(result, Exception):
+                result = self._run_alone(row, lambda rows: self._run_batch(rows, self.compressor), 1)
+            answers += result
+        return answers
 
     @torch.inference_mode()
     def _run_sweep_batch(self, rows: list[Row], compressors: list[Compressor]) -> list[Answer]:

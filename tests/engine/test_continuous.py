@@ -1,0 +1,131 @@
+"""The continuous decode batch (pipeline.engine.continuous) on tiny random models.
+
+* answers equal each document answered alone (the batch path, one document per batch) for every
+  method of every part family, with rows ending at different steps (different token limits, EOS),
+  documents with several questions leaving and joining again, and waiting documents joining as
+  others leave (a budget that holds only some of them);
+* the batch's KV memory never exceeds the budget; a document larger than the budget decodes alone;
+* a document whose prefill fails yields error rows and the others are answered.
+"""
+
+import pytest
+
+from pipeline import hooks
+from pipeline.engine.config import GenerationConfig
+from pipeline.engine.continuous import ContinuousBatch
+from pipeline.engine.engine import Engine
+from pipeline.engine.types import Request
+from pipeline.kv.config import CompressionConfig
+from tests.faults import Faults
+from tests.methods import one_method_per_part
+from tests.tiny import tiny_kvzap_file, tiny_loaded
+
+TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+METHODS = ["none", *one_method_per_part(), "kvzip", "layer-kvzip", "criticalkv-shares-kvzap"]
+
+
+def _requests():
+    return [
+        Request("a", TEXT * 4, ["What is packed?", "Who jumps?"], max_new_tokens=9),
+        Request("b", TEXT[:50], ["Who is lazy?"], answer_prefix="The", max_new_tokens=3),
+        Request("c", TEXT * 2 + "Sphinx of black quartz.", ["Judge my vow?", "Why?", "How?"], max_new_tokens=6),
+        Request("d", TEXT * 3, ["Where?"], max_new_tokens=12),
+        Request("e", TEXT, ["When?"], max_new_tokens=1),
+    ]
+
+
+def _engine(method, kv_memory=None, batch_size=1, tmp=None, arch="llama", **kw):
+    loaded = tiny_loaded(arch)
+    extra = {}
+    if CompressionConfig(method=method).needs_kvzap_model:
+        extra["kvzap_model"] = tiny_kvzap_file(loaded, str(tmp))
+    if CompressionConfig(method=method).needs_head_priors:
+        extra["head_priors"] = _priors(tmp)
+    comp = CompressionConfig(method=method, cache_size=0.4, window=4, kernel=3, **extra, **kw)
+    generation = GenerationConfig(max_new_tokens=10, batch_size=batch_size, kv_memory=kv_memory)
+    return Engine(loaded, comp, generation)
+
+
+def _priors(tmp):
+    path = tmp / "heads.json"
+    path.write_text('{"scores": [[0.9, 0.1], [0.2, 0.8]]}')
+    return path
+
+
+def _fields(answers):
+    return [
+        (a.doc_id, a.question_id, a.prediction, a.generated_tokens, a.question_tokens, a.kv_entries_kept, a.error)
+        for a in answers
+    ]
+
+
+def _budget_for(engine, requests, rows_at_once):
+    """MiB that hold about ``rows_at_once`` of these documents' footprints."""
+    batch = ContinuousBatch(engine, engine.compressor, 0)
+    sizes = sorted(batch._estimate(row) for r in requests for row in engine._rows_for(r))
+    return sum(sizes[-rows_at_once:]) / 2**20
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_continuous_answers_equal_each_document_alone(method, tmp_path):
+    requests = _requests()
+    alone = _engine(method, tmp=tmp_path).generate(requests)
+    engine = _engine(method, tmp=tmp_path, batch_size=5)
+    engine.generation.kv_memory = _budget_for(engine, requests, 3)
+    together = engine.generate(requests)
+    assert _fields(together) == _fields(alone)
+    assert all(a.error is None for a in together)
+
+
+def test_chunked_prefill_and_other_architectures_join_the_batch(tmp_path):
+    requests = _requests()
+    for arch, kw in (("qwen3", {"prefill_chunk": 16}), ("mistral", {}), ("qwen2", {"query_aware": True})):
+        alone = _engine("criticalkv-shares-kvzap", tmp=tmp_path, arch=arch, **kw).generate(requests)
+        engine = _engine("criticalkv-shares-kvzap", tmp=tmp_path, arch=arch, batch_size=5, **kw)
+        engine.generation.kv_memory = _budget_for(engine, requests, 2)
+        assert _fields(engine.generate(requests)) == _fields(alone), arch
+
+
+@pytest.mark.parametrize("rows_at_once", [1, 2, 4])
+def test_the_batch_stays_within_its_memory_budget(rows_at_once, tmp_path):
+    engine = _engine("snapkv", tmp=tmp_path, batch_size=5)
+    requests = _requests()
+    rows = [row for r in requests for row in engine._rows_for(r)]
+    budget = int(_budget_for(engine, requests, rows_at_once) * 2**20)
+    batch = ContinuousBatch(engine, engine.compressor, budget)
+    results = batch.run(rows)
+    assert all(not isinstance(r, Exception) for r in results)
+    assert 0 < batch.largest_bytes <= budget
+    assert 1 <= batch.largest_batch < len(rows)  # the budget held some rows, never all
+    if rows_at_once > 1:
+        assert batch.largest_batch > 1
+
+
+def test_a_document_larger_than_the_budget_decodes_alone(tmp_path, caplog):
+    engine = _engine("none", tmp=tmp_path, batch_size=5)
+    rows = [row for r in _requests() for row in engine._rows_for(r)]
+    batch = ContinuousBatch(engine, engine.compressor, 1)
+    results = batch.run(rows)
+    assert all(not isinstance(r, Exception) for r in results)
+    assert batch.largest_batch == 1
+    assert "more than kv_memory" in caplog.text
+
+
+@pytest.fixture
+def faults():
+    yield lambda **directives: hooks.install(Faults(directives))
+    hooks.install(None)
+
+
+def test_a_failing_document_yields_error_rows_and_the_others_are_answered(faults, tmp_path):
+    faults(oom=["c"])  # its prefill raises, in the batch and when retried alone
+    requests = _requests()
+    engine = _engine("snapkv", tmp=tmp_path, batch_size=5)
+    engine.generation.kv_memory = _budget_for(engine, requests, 3)
+    answers = engine.generate(requests)
+    assert len(answers) == 8
+    errors = {a.doc_id for a in answers if a.error is not None}
+    assert errors == {"c"}
+    assert all("OutOfMemoryError" in a.error for a in answers if a.doc_id == "c")
+    alone = _engine("snapkv", tmp=tmp_path).generate([r for r in requests if r.doc_id != "c"])
+    assert _fields([a for a in answers if a.doc_id != "c"]) == _fields(alone)
