@@ -45,6 +45,11 @@ class RunSummary:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else None
 
     @property
+    def docs_per_hour(self) -> float | None:
+        """Documents answered per hour of the job's wall time (this run's rows)."""
+        return 3600.0 * self.docs / self.wall_s if self.wall_s > 0 else None
+
+    @property
     def decode_tokens_per_s(self) -> float | None:
         """Decode speed of one sequence: 1000 / the median decode ms per token of the rows."""
         return 1000.0 / self.decode_ms_per_token_median if self.decode_ms_per_token_median else None
@@ -55,6 +60,7 @@ class RunSummary:
             "kv_bytes_saved": self.kv_bytes_saved,
             "tokens_per_s": self.tokens_per_s,
             "generated_tokens_per_s": self.generated_tokens_per_s,
+            "docs_per_hour": self.docs_per_hour,
             "decode_tokens_per_s": self.decode_tokens_per_s,
         }
 
@@ -147,6 +153,7 @@ def format_summary(s: RunSummary, title: str = "run summary") -> str:
         ("KV bytes saved", saved),
         ("tokens / job wall time (prompt+generated)", _num(s.tokens_per_s, ",.0f", " tok/s")),
         ("generated tokens / job wall time", _num(s.generated_tokens_per_s, ",.1f", " tok/s")),
+        ("documents / hour of job wall time", _num(s.docs_per_hour, ",.0f")),
         ("decode speed per sequence (1000 / median ms per token)", _num(s.decode_tokens_per_s, ",.1f", " tok/s")),
         ("wall time", f"{s.wall_s:.1f} s"),
         ("output", s.output),

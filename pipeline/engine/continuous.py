@@ -81,6 +81,7 @@ class ContinuousBatch:
         self.failed: dict[int, Exception] = {}
         self.largest_batch = 0  # rows decoded together at most (diagnostics, tests)
         self.largest_bytes = 0  # the batch's cache at most, in bytes
+        self.steps = self.row_steps = 0  # decode steps, and rows decoded summed over them (occupancy)
 
     @torch.inference_mode()
     def run(self, rows: list[Row]) -> list[list[Answer] | Exception]:
@@ -257,6 +258,7 @@ class ContinuousBatch:
         t0 = now(device)
         logits = self.decoder.forward(cache, ids, pos)
         seconds = now(device) - t0
+        self.steps, self.row_steps = self.steps + 1, self.row_steps + len(active)
         for j, seq in enumerate(active):
             seq.logits, seq.next_pos = logits[j], seq.next_pos + 1
             seq.decode_s += seconds

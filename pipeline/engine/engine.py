@@ -75,6 +75,7 @@ class Engine:
         self.compression = compression or CompressionConfig()
         self.generation = generation or GenerationConfig()
         self.max_context_tokens = max_context_tokens or getattr(cfg, "max_position_embeddings", None)
+        self.last_continuous: ContinuousBatch | None = None
         self._kvzap_cache: dict = {}  # file -> KVzapModel: one load per file for every setting
         self.compressor = self.make_compressor(self.compression)
         self.oom_retry: tuple[float, Compressor] | None = None
@@ -269,7 +270,9 @@ class Engine:
     def _run_continuous(self, rows: list[Row]) -> list[Answer]:
         """Every row through one continuous decode batch; a row it could not answer runs alone."""
         budget = int(self.generation.kv_memory * 2**20)
-        results = ContinuousBatch(self, self.compressor, budget).run(rows)
+        batch = ContinuousBatch(self, self.compressor, budget)
+        results = batch.run(rows)
+        self.last_continuous = batch  # its occupancy and memory figures, for callers that report them
         answers = []
         for row, result in zip(rows, results):
             if isinstance(result, Exception):

@@ -81,6 +81,7 @@ def test_summary_counts_each_cache_once():
     assert s.kv_bytes_full == 200 and s.kv_bytes_saved == 120 and s.kept_fraction_mean == pytest.approx(0.4)
     assert s.prompt_tokens == 2 * 10 + 3 * 2 and s.generated_tokens == 9
     assert s.tokens_per_s == pytest.approx((26 + 9) / 2.0) and s.ttft_p95_s == pytest.approx(0.1)
+    assert s.docs_per_hour == pytest.approx(3600.0) and s.as_dict()["docs_per_hour"] == s.docs_per_hour
     aware = summarize(table, wall_s=2.0, query_aware=True)
     assert aware.kv_bytes_full == 300
     text = format_summary(s)
@@ -90,6 +91,7 @@ def test_summary_counts_each_cache_once():
         "mean kept KV fraction",
         "KV bytes saved",
         "generated tokens / job wall time",
+        "documents / hour of job wall time",
         "decode speed per sequence (1000 / median ms per token)",
         "wall time",
         "output",

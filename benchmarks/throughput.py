@@ -1,0 +1,182 @@
+"""Throughput of one actor at the same KV memory budget: the full cache, compressed caches in the
+continuous decode batch, and plain transformers, side by side in one run.
+
+    python benchmarks/throughput.py [--docs 8] [--length 2048] [--new-tokens 64] [--full-caches 4]
+                                    [--methods none,criticalkv-shares-kvzap] [--cache-sizes 0.2,0.4]
+                                    [--out docs/results/benchmarks/throughput.md]
+
+Every side answers the same ``--docs`` documents of ``--length`` tokens (built-in sample text) with
+one instruction each ("summarize", at most ``--new-tokens`` greedy tokens). The KV memory budget is
+what ``--full-caches`` full caches of these documents need (their question and answer included):
+
+* **ours continuous**: ``Engine.generate`` with ``kv_memory`` = the budget (documents prefilled one
+  at a time, decoded together while they fit, rows leaving as they end;
+  :mod:`pipeline.engine.continuous`), for the full cache and each compressed method x cache size;
+* **ours batch**: the full cache on the batch path, ``--full-caches`` documents prefilled together
+  and decoded until the longest answer ends (what jobs did before the continuous batch);
+* **transformers**: the same model with SDPA and ``generate``'s ``DynamicCache``, left-padded batches
+  of ``--full-caches`` documents (the batch that fits the budget), the same prompt ids, greedy.
+
+Reported per side: wall seconds, generated tokens (EOS counted, as the output's column), tokens/s,
+documents/hour, the mean and largest decode batch and the largest KV bytes held (continuous sides).
+Sides run one after another in one process; only ratios from one run are claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import context_ids  # noqa: E402
+from roofline import header, table, write_report  # noqa: E402
+
+from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
+from pipeline.engine.continuous import ContinuousBatch  # noqa: E402
+from pipeline.engine.engine import Engine  # noqa: E402
+from pipeline.engine.loading import load_model  # noqa: E402
+from pipeline.engine.types import Request  # noqa: E402
+from pipeline.kv.attention import register  # noqa: E402
+from pipeline.kv.config import CompressionConfig  # noqa: E402
+
+INSTRUCTION = "Summarize the document in a few sentences."
+
+
+def documents(tokenizer, count: int, length: int) -> list[Request]:
+    return [
+        Request(f"doc{i}", tokenizer.decode(context_ids(tokenizer, length, seed=101 * i)[0]), [INSTRUCTION])
+        for i in range(count)
+    ]
+
+
+def full_cache_bytes(engine: Engine, requests: list[Request]) -> int:
+    """Bytes the largest document's full cache takes in our layout, room for its question and answer
+    included (what the continuous batch reserves for it; transformers' cache needs about as much)."""
+    batch = ContinuousBatch(engine, engine.compressor, 0)
+    return max(batch._estimate(row) for request in requests for row in engine._rows_for(request))
+
+
+def run_ours(engine: Engine, requests: list[Request]) -> dict:
+    engine.model.set_attn_implementation(register())
+    t0 = time.perf_counter()
+    answers = engine.generate(requests)
+    wall = time.perf_counter() - t0
+    errors = [a.error for a in answers if a.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} answers failed, first: {errors[0]}")
+    stats = engine.last_continuous if engine.continuous else None
+    return {
+        "wall": wall,
+        "tokens": sum(a.generated_tokens for a in answers),
+        "mean_batch": stats.row_steps / stats.steps if stats and stats.steps else None,
+        "largest_batch": stats.largest_batch if stats else engine.generation.batch_size,
+        "largest_kv": stats.largest_bytes if stats else None,
+        "kept": sum(a.kv_bytes_kept for a in answers) / sum(a.kv_bytes_full for a in answers),
+    }
+
+
+@torch.inference_mode()
+def run_transformers(engine: Engine, requests: list[Request], batch: int, new_tokens: int) -> dict:
+    model = engine.model
+    model.set_attn_implementation("sdpa")
+    pad = engine.decoder.pad_id
+    eos = sorted(engine.decoder.eos_ids)
+    tokens = 0
+    t0 = time.perf_counter()
+    for begin in range(0, len(requests), batch):
+        prompts = [engine.prompts.encode(r.context, r.questions) for r in requests[begin : begin + batch]]
+        seqs = [p.context_ids + p.question_ids[0] for p in prompts]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, seq in enumerate(seqs):
+            ids[b, width - len(seq) :], mask[b, width - len(seq) :] = torch.tensor(seq), 1
+        out = model.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad, eos_token_id=eos
+        )
+        for row in out[:, width:].tolist():
+            ended = [i for i, t in enumerate(row) if t in eos]
+            tokens += ended[0] + 1 if ended else len(row)
+    wall = time.perf_counter() - t0
+    model.set_attn_implementation(register())
+    return {"wall": wall, "tokens": tokens, "mean_batch": None, "largest_batch": batch, "largest_kv": None, "kept": 1.0}
+
+
+def engine_for(loaded, method: str, size: float, generation: GenerationConfig) -> Engine:
+    config = CompressionConfig(method=method, cache_size=1.0 if method == "none" else size)
+    return Engine(loaded, config, generation)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--docs", type=int, default=8)
+    p.add_argument("--length", type=int, default=2048, help="context tokens per document")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--full-caches", type=int, default=4, help="the KV budget: this many full caches")
+    p.add_argument("--methods", default="criticalkv-shares-kvzap", help="compressed methods, comma-separated")
+    p.add_argument("--cache-sizes", default="0.2,0.4")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    loaded = load_model(ModelConfig(name="smollm2"))
+    probe = Engine(loaded, CompressionConfig(), GenerationConfig(max_new_tokens=args.new_tokens))
+    requests = documents(loaded.tokenizer, args.docs, args.length)
+    budget = args.full_caches * full_cache_bytes(probe, requests)
+    continuous = GenerationConfig(
+        max_new_tokens=args.new_tokens, batch_size=args.docs, kv_memory=budget / 2**20, end_at_sentence=False
+    )
+    batched = GenerationConfig(max_new_tokens=args.new_tokens, batch_size=args.full_caches)
+    sides = [("transformers DynamicCache, batch " + str(args.full_caches), None)]
+    sides.append((f"ours none, batch path ({args.full_caches} prefilled together)", ("none", 1.0, batched)))
+    sides.append(("ours none, continuous", ("none", 1.0, continuous)))
+    for method in filter(None, (m.strip() for m in args.methods.split(","))):
+        for size in (float(x) for x in args.cache_sizes.split(",")):
+            sides.append((f"ours {method} @ {size:g}, continuous", (method, size, continuous)))
+    results = {}
+    for label, spec in sides:
+        if spec is None:
+            results[label] = run_transformers(probe, requests, args.full_caches, args.new_tokens)
+        else:
+            results[label] = run_ours(engine_for(loaded, spec[0], spec[1], spec[2]), requests)
+        r = results[label]
+        print(f"{label}: {r['wall']:.1f} s, {r['tokens']} tokens", flush=True)
+    write_report(report(args, budget, results), args.out)
+
+
+def report(args, budget: int, results: dict) -> str:
+    base = results["ours none, continuous"]
+    hf = next(r for label, r in results.items() if label.startswith("transformers"))
+    rows = []
+    for label, r in results.items():
+        rate = r["tokens"] / r["wall"]
+        rows.append(
+            [
+                label,
+                f"{r['wall']:.1f}",
+                r["tokens"],
+                f"{rate:.2f}",
+                f"{rate / (base['tokens'] / base['wall']):.2f}",
+                f"{rate / (hf['tokens'] / hf['wall']):.2f}",
+                f"{3600 * args.docs / r['wall']:.0f}",
+                "-" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
+                r["largest_batch"],
+                "-" if r["largest_kv"] is None else f"{r['largest_kv'] / 2**20:.1f}",
+                f"{r['kept']:.2f}",
+            ]
+        )
+    columns = ["side", "wall s", "generated tokens", "tokens/s", "÷ ours full", "÷ transformers", "docs/hour"]
+    columns += ["mean decode batch", "largest batch", "largest KV MiB", "kept ÷ full"]
+    title = (
+        f"Throughput at one KV budget: {args.docs} documents of {args.length} tokens, "
+        f"{args.new_tokens} new tokens, budget {budget / 2**20:.1f} MiB ({args.full_caches} full caches)"
+    )
+    return header(title) + "\n\n" + table(columns, rows, "l" + "r" * 10) + "\n"
+
+
+if __name__ == "__main__":
+    main()
