@@ -15,6 +15,7 @@ import torch
 
 from .. import hooks
 from ..kv.cache import ChunkCache, VarLenCache, run_chunk
+from ..kv.rows import park_rows, unpark_rows
 from .batching import Row, left_pad
 from .fidelity import continuation_nll
 from .memory import now
@@ -212,24 +213,35 @@ class Decoder:
         self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor, limits: list[int]
     ) -> tuple[list[list[int]], list[int | None], int]:
         """Greedy tokens per row (EOS excluded), the EOS id that ended each row (None: its limit) and
-        the number of decode forwards."""
+        the number of decode forwards. Once half the rows of the batch have ended they leave it
+        (:func:`~pipeline.kv.rows.park_rows`), so later steps decode the active rows only; they are
+        put back, in order, when every row has ended (not under a decode-time cap, which evicts per row)."""
         bsz = logits.shape[0]
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         stops: list[int | None] = [None] * bsz
         done = [False] * bsz
+        rows, parked, parked_rows = list(range(bsz)), [], []  # rows[j]: the batch row cache row j holds
         steps = 0
         while True:
             choice = logits.argmax(-1).tolist()
-            for b in range(bsz):
+            for j, b in enumerate(rows):
                 if not done[b]:
-                    if choice[b] in self.eos_ids:
-                        done[b], stops[b] = True, choice[b]
+                    if choice[j] in self.eos_ids:
+                        done[b], stops[b] = True, choice[j]
                     else:
-                        tokens[b].append(choice[b])
+                        tokens[b].append(choice[j])
                         done[b] = len(tokens[b]) >= limits[b]
-            if all(done):
-                return tokens, stops, steps
+            if all(done[b] for b in rows):
+                break
+            active = [j for j, b in enumerate(rows) if not done[b]]
+            if cache.cap is None and 2 * len(active) <= len(rows):
+                parked_rows.append([b for b in rows if done[b]])
+                parked.append(park_rows(cache, [j for j, b in enumerate(rows) if done[b]], active))
+                rows, choice, next_pos = [rows[j] for j in active], [choice[j] for j in active], next_pos[active]
             step_ids = torch.tensor(choice, dtype=torch.long, device=self.device)[:, None]
             logits = self.forward(cache, step_ids, next_pos[:, None])
             next_pos = next_pos + 1
             steps += 1
+        if parked:
+            unpark_rows(cache, rows, parked, parked_rows)
+        return tokens, stops, steps

@@ -59,3 +59,25 @@ def regroup(cache, keep: list[int], joining: list) -> None:
 def layer_lengths(cache) -> list[torch.Tensor]:
     """Every layer's (B * H,) segment lengths: a mark to roll single rows back to (:func:`take_rows`)."""
     return [layer.length.clone() for layer in cache.store]
+
+
+def park_rows(cache, leaving: list[int], staying: list[int]) -> list[VarLenLayer]:
+    """Take rows ``leaving`` out of ``cache`` (returned, per layer, with every entry they hold) and
+    keep ``staying`` (in that order): the batch then decodes only its active rows."""
+    parked = [take_rows(layer, leaving) for layer in cache.store]
+    regroup(cache, staying, [])
+    return parked
+
+
+def unpark_rows(cache, order: list[int], parked: list[list[VarLenLayer]], parked_order: list[list[int]]) -> None:
+    """Put parked rows back: ``cache`` holds rows ``order`` (original indices), ``parked[k]`` the rows
+    ``parked_order[k]``; afterwards the cache's row b is original row b again."""
+    held = order + [b for group in parked_order for b in group]
+    where = {b: j for j, b in enumerate(held)}
+    permutation = [where[b] for b in range(len(held))]
+    for idx in range(cache.num_layers):
+        joined = VarLenLayer.concat([cache.store[idx], *(group[idx] for group in parked)])
+        cache.store[idx] = None
+        for group in parked:
+            group[idx] = None
+        cache.store[idx] = take_rows(joined, permutation)

@@ -1,11 +1,14 @@
-"""The continuous decode batch (pipeline.engine.continuous) on tiny random models.
+"""The continuous decode batch (pipeline.engine.continuous), and rows leaving the batch path once half
+have ended (pipeline.engine.decoding), on tiny random models.
 
 * answers equal each document answered alone (the batch path, one document per batch) for every
   method of every part family, with rows ending at different steps (different token limits, EOS),
   documents with several questions leaving and joining again, and waiting documents joining as
   others leave (a budget that holds only some of them);
 * the batch's KV memory never exceeds the budget; a document larger than the budget decodes alone;
-* a document whose prefill fails yields error rows and the others are answered.
+* a document whose prefill fails yields error rows and the others are answered;
+* the batch path and sweeps (rows parked once half have ended) give each document's answers and
+  fidelity NLL alone.
 """
 
 import pytest
@@ -129,3 +132,48 @@ def test_a_failing_document_yields_error_rows_and_the_others_are_answered(faults
     assert all("OutOfMemoryError" in a.error for a in answers if a.doc_id == "c")
     alone = _engine("snapkv", tmp=tmp_path).generate([r for r in requests if r.doc_id != "c"])
     assert _fields([a for a in answers if a.doc_id != "c"]) == _fields(alone)
+
+
+@pytest.fixture
+def parked(monkeypatch):
+    """Counts the batch path's row departures (pipeline.engine.decoding's park_rows)."""
+    import pipeline.engine.decoding as decoding
+
+    calls, original = [], decoding.park_rows
+
+    def spy(cache, leaving, staying):
+        calls.append(len(leaving))
+        return original(cache, leaving, staying)
+
+    monkeypatch.setattr(decoding, "park_rows", spy)
+    return calls
+
+
+@pytest.mark.parametrize("method", ["none", "snapkv", "criticalkv-layer-knorm", "adakv-kvzip"])
+def test_batch_path_rows_leave_once_half_have_ended(method, parked, tmp_path):
+    """The batch path (documents prefilled together) decodes only its active rows once half have ended:
+    answers equal each document alone."""
+    requests = _requests()
+    together = _engine(method, tmp=tmp_path, batch_size=5).generate(requests)
+    assert parked  # rows with smaller limits ended first and left
+    assert _fields(together) == _fields(_engine(method, tmp=tmp_path).generate(requests))
+
+
+def test_sweep_rows_leave_and_fidelity_is_unchanged(parked, tmp_path):
+    requests = _requests()
+    settings = [
+        CompressionConfig(method=m, cache_size=c, window=4, kernel=3)
+        for m, c in [("none", 1.0), ("snapkv", 0.3), ("criticalkv-layer-knorm", 0.3), ("kvzip", 0.4)]
+    ]
+
+    def sweep(batch_size, per_decode):
+        generation = GenerationConfig(max_new_tokens=10, batch_size=batch_size, settings_per_decode=per_decode)
+        engine = Engine(tiny_loaded("llama"), settings[0], generation)
+        return [[(*f, a.answer_nll) for f, a in zip(_fields(s), s)] for s in engine.generate_sweep(requests, settings)]
+
+    together = sweep(5, 4)
+    assert parked
+    alone = sweep(1, 1)
+    for got, expected in zip(together, alone):
+        assert [g[:-1] for g in got] == [e[:-1] for e in expected]
+        assert [g[-1] for g in got] == pytest.approx([e[-1] for e in expected], rel=1e-4, abs=1e-5)

@@ -1,0 +1,89 @@
+"""Rows leaving and joining a cache (pipeline.kv.rows) against a naive reference: every segment as a
+Python list of (key, value, position) entries, on random ragged layers with spare capacity."""
+
+import pytest
+import torch
+
+from pipeline.kv.cache import VarLenCache
+from pipeline.kv.compress import Compressor
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.rows import park_rows, regroup, take_rows, unpark_rows
+from pipeline.kv.store import VarLenLayer
+
+HEADS, DIM = 2, 4
+
+
+def random_layer(rows: int, seed: int) -> VarLenLayer:
+    """A ragged layer whose segments hold 0-6 entries in a room of up to 3 more (not block aligned)."""
+    g = torch.Generator().manual_seed(seed)
+    length = torch.randint(0, 7, (rows * HEADS,), generator=g)
+    capacity = length + torch.randint(0, 4, (rows * HEADS,), generator=g)
+    start = torch.cumsum(capacity, 0) - capacity
+    total = int(capacity.sum())
+    keys, values = torch.randn(total, DIM, generator=g), torch.randn(total, DIM, generator=g)
+    positions = torch.randint(0, 100, (total,), generator=g, dtype=torch.int32)
+    return VarLenLayer(keys, values, positions, start, length, capacity, rows, HEADS)
+
+
+def segments(layer: VarLenLayer) -> list[list[tuple]]:
+    """Naive read-back: per segment its live entries, in order."""
+    out = []
+    for s in range(layer.num_segments):
+        begin = int(layer.start[s])
+        out.append(
+            [
+                (layer.keys[i].tolist(), layer.values[i].tolist(), int(layer.positions[i]))
+                for i in range(begin, begin + int(layer.length[s]))
+            ]
+        )
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_take_rows_copies_the_chosen_rows_in_order_with_their_room(seed):
+    layer = random_layer(5, seed)
+    original = segments(layer)
+    rows = [3, 0, 4]
+    taken = take_rows(layer, rows)
+    expected = [original[r * HEADS + h] for r in rows for h in range(HEADS)]
+    assert segments(taken) == expected
+    assert taken.capacity.tolist() == [int(layer.capacity[r * HEADS + h]) for r in rows for h in range(HEADS)]
+    assert taken.keys.shape[0] == int(taken.capacity.sum())  # the room moves with the row, nothing more
+
+
+def test_take_rows_keeps_a_prefix_of_each_segment():
+    layer = random_layer(3, 7)
+    original = segments(layer)
+    prefix = torch.tensor([min(2, len(original[2 * HEADS + h])) for h in range(HEADS)])
+    taken = take_rows(layer, [2], prefix)
+    assert segments(taken) == [original[2 * HEADS + h][: int(prefix[h])] for h in range(HEADS)]
+    with pytest.raises(ValueError, match="more entries than a segment holds"):
+        take_rows(layer, [2], prefix + 10)
+
+
+def _cache(layers):
+    cache = VarLenCache(len(layers), Compressor(CompressionConfig()))
+    cache.store = list(layers)
+    return cache
+
+
+def test_regroup_keeps_rows_then_appends_the_joining_caches():
+    cache = _cache([random_layer(4, 1), random_layer(4, 2)])
+    other = _cache([random_layer(2, 3), random_layer(2, 4)])
+    before = [segments(layer) for layer in cache.store]
+    joining = [segments(layer) for layer in other.store]
+    regroup(cache, [2, 1], [other])
+    for idx in range(2):
+        keep = [before[idx][r * HEADS + h] for r in (2, 1) for h in range(HEADS)]
+        assert segments(cache.store[idx]) == keep + joining[idx]
+        assert cache.store[idx].num_rows == 4
+        assert other.store[idx] is None  # released as it was copied
+
+
+def test_parked_rows_come_back_in_their_order():
+    cache = _cache([random_layer(6, 5), random_layer(6, 6)])
+    before = [segments(layer) for layer in cache.store]
+    first = park_rows(cache, [1, 4], [0, 2, 3, 5])  # rows 1 and 4 leave
+    second = park_rows(cache, [0, 3], [1, 2])  # then (original) rows 0 and 5
+    unpark_rows(cache, [2, 3], [first, second], [[1, 4], [0, 5]])
+    assert [segments(layer) for layer in cache.store] == before
