@@ -6,7 +6,7 @@
 For each context length, SmolLM2 prefills the same ids twice: into a ragged cache
 (``criticalkv-adakv-snapkv``, per-head budgets) and a uniform one (``snapkv``), both at
 ``--cache-size``. Then decode steps run interleaved, one at a time: a ragged step with the flat
-kernel, a ragged step with the blocked kernel (``CRITICALKV_RAGGED_DECODE``; both kernels compute
+kernel, a ragged step with the blocked kernel (the cache's ``KernelChoice``; both kernels compute
 the same function, so they can share one cache), a uniform step; repeated ``--steps`` times. Steps
 next to each other see the same machine load, which separate runs on a shared machine do not
 (``decode_paths.py`` runs whole paths one after another). Printed: median ms per step of each, and
@@ -17,7 +17,6 @@ here: both kernels are forced.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from roofline import RESULTS_DIR, header, parse_ints, table, write_report  # noq
 
 from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
 from pipeline.kv.config import CompressionConfig  # noqa: E402
-from pipeline.kv.varlen_kernels import RAGGED_ENV  # noqa: E402
+from pipeline.kv.varlen_kernels import KernelChoice  # noqa: E402
 
 RAGGED, UNIFORM = "criticalkv-adakv-snapkv", "snapkv"
 
@@ -56,14 +55,13 @@ def interleaved(model, ids: torch.Tensor, cache_size: float, steps: int) -> dict
     for step in range(steps):
         for name in times:
             cache_name = "uniform" if name == "uniform" else "ragged"
-            os.environ[RAGGED_ENV] = "" if name == "uniform" else name
+            ragged.kernels = KernelChoice(ragged=None if name == "uniform" else name)
             pos = torch.tensor([[next_pos[cache_name]]])
             t0 = time.perf_counter()
             run_chunk(model, ragged if cache_name == "ragged" else uniform, token, pos, logits_to_keep=1)
             if step >= 2:  # warm-up steps not timed
                 times[name].append(1e3 * (time.perf_counter() - t0))
             next_pos[cache_name] += 1
-    os.environ.pop(RAGGED_ENV, None)
     slots = sum(layer.keys.shape[0] for layer in ragged.store) / len(ragged.store)
     return {"times": times, "kernels": sorted(ragged.kernels_used), "slots": slots}
 

@@ -65,9 +65,9 @@ def grouped_decode_attention(
 
     query: (B, H_q, 1, D); keys/values: (B, H_kv, L, D), any strides along L (a store view).
     The G query heads of a KV group are one (G, D) matrix against that group's keys: two batched
-    matmuls with an fp32 softmax between, instead of SDPA's per-query-head kernel (on one CPU core
-    1.2x / 1.3x faster for SmolLM2's 30 layers at 2K / 8K entries; whole decode steps in
-    ``benchmarks/decode_paths.py``). Returns (B, H_q, 1, D).
+    matmuls with an fp32 softmax between, instead of SDPA's per-query-head kernel (faster on CPU:
+    ``benchmarks/decode_paths.py`` measures whole decode steps, docs/BENCHMARKS.md has the figures).
+    Returns (B, H_q, 1, D).
     """
     bsz, h_q, _, dim = query.shape
     h_kv = keys.shape[1]

@@ -37,6 +37,7 @@ from .decode_cap import DecodeCap
 from .phases import Phase
 from .store import VarLenLayer
 from .varlen_kernels import (
+    KernelChoice,
     blocked_attention,
     choose_kernel,
     dense_decode_kernel,
@@ -149,9 +150,10 @@ def run_chunk(model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor
 class VarLenCache(ChunkCache):
     """Variable-length KV cache for ``num_layers`` layers; see the module docstring."""
 
-    def __init__(self, num_layers: int, compressor: Compressor) -> None:
+    def __init__(self, num_layers: int, compressor: Compressor, kernels: KernelChoice | None = None) -> None:
         super().__init__(num_layers)
         self.compressor = compressor
+        self.kernels = kernels or KernelChoice.from_environment()  # decided once, not per attention call
         self.compress_seconds = 0.0
         self.kernels_used: set[str] = set()  # attention paths taken after the prefill (diagnostics)
         self._appended: dict[int, torch.Tensor] = {}  # layer -> values appended by the current chunk
@@ -179,7 +181,7 @@ class VarLenCache(ChunkCache):
         first = caches[0]
         if any(c.cap is not None or any(layer is None for layer in c.store) for c in caches):
             raise ValueError("only compressed caches without a decode cap can be stacked")
-        cache = cls(first.num_layers, first.compressor)
+        cache = cls(first.num_layers, first.compressor, first.kernels)
         cache.store = [VarLenLayer.concat([c.store[i] for c in caches]) for i in range(first.num_layers)]
         cache._finish_context()
         return cache
@@ -252,14 +254,14 @@ class VarLenCache(ChunkCache):
     def _attend_stored(self, idx: int, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, str]:
         layer = self.store[idx]
         track = self.cap is not None
-        kernel = choose_kernel(query, need_probs=track)
+        kernel = choose_kernel(query, need_probs=track, forced=self.kernels.varlen)
         dense = layer.dense_view() if query.shape[2] == 1 and kernel != "flash" and not track else None
         if dense is not None:
             # one new token per row over a uniform, padding-free cache: every held entry precedes
             # it, so no mask is needed and the store is read in place (grouped matmuls on CPU unless
             # SDPA is forced, SDPA's fused kernel on CUDA)
             keys, values = dense
-            if dense_decode_kernel(query, kernel) == "sdpa":
+            if dense_decode_kernel(query, kernel, self.kernels.dense) == "sdpa":
                 out = F.scaled_dot_product_attention(
                     query, keys.to(query.dtype), values.to(query.dtype), scale=scaling, enable_gqa=True
                 )
@@ -268,7 +270,7 @@ class VarLenCache(ChunkCache):
         if kernel == "flash":
             return flash_varlen_attention(query, layer, scaling), kernel
         if kernel == "blocked":
-            if ragged_decode_kernel(query, layer) == "flat":
+            if ragged_decode_kernel(query, layer, self.kernels.ragged) == "flat":
                 out = flat_decode_attention(query, layer, scaling)
                 if out is not None:
                     return out, "flat"

@@ -39,10 +39,12 @@ function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
   batches keep the blocked kernel, and so do long single rows (``FLAT_MAX_MASKED``). The CPU
   default for single-row ragged decode steps (``CRITICALKV_RAGGED_DECODE=flat|blocked`` forces one).
 
-``choose_kernel`` picks one per call; ``CRITICALKV_VARLEN_KERNEL=reference|sdpa|flash|blocked`` forces
-one (benchmarks, the GPU check). ``dense_decode_kernel`` picks how a decode step reads a uniform
-cache's dense view (``CRITICALKV_DENSE_DECODE=grouped|sdpa`` forces one), ``ragged_decode_kernel``
-whether a single-row ragged decode step takes ``flat`` or ``blocked``. The flash path's
+``choose_kernel`` picks one per call from the call's shape and device; ``dense_decode_kernel`` how a
+decode step reads a uniform cache's dense view, ``ragged_decode_kernel`` whether a single-row ragged
+decode step takes ``flat`` or ``blocked``. A :class:`KernelChoice`, fixed when a cache is made, may
+force each of them (benchmarks, the GPU check); by default it is read once from the environment
+(``CRITICALKV_VARLEN_KERNEL=reference|sdpa|flash|blocked``, ``CRITICALKV_DENSE_DECODE=grouped|sdpa``,
+``CRITICALKV_RAGGED_DECODE=flat|blocked``), never per call. The flash path's
 packing is tested on CPU against a plain per-sequence implementation of
 ``flash_attn_varlen_func``'s documented semantics (``tests/kv/test_varlen_kernels.py``).
 """
@@ -52,6 +54,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +65,8 @@ DENSE_ENV = "CRITICALKV_DENSE_DECODE"
 DENSE_KERNELS = ("grouped", "sdpa")
 RAGGED_ENV = "CRITICALKV_RAGGED_DECODE"
 RAGGED_KERNELS = ("flat", "blocked")
-# flat by default while H_kv x slots <= this: on SmolLM2 at cache size 0.2 (2 threads) flat wins at
-# 2K and 4K tokens (1.06x / 1.10x a uniform cache's step against blocked's 1.13x / 1.18x) and ties
-# at 8K (1.15x vs 1.13x, 3 x ~5000 slots), where its H_kv-fold dot products catch up
+# flat by default while H_kv x slots <= this: where its H_kv-fold dot products stop beating the blocked
+# kernel on SmolLM2 (benchmarks/ragged_decode.py; the figures are in docs/BENCHMARKS.md)
 FLAT_MAX_MASKED = 12288
 
 
@@ -79,16 +81,39 @@ def flash_varlen_function() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def choose_kernel(query: torch.Tensor, need_probs: bool) -> str:
-    """The kernel for one call: forced by ``$CRITICALKV_VARLEN_KERNEL``, else on CPU ``blocked``, on
-    CUDA ``flash`` with fp16/bf16 and flash-attn installed and ``sdpa`` otherwise. Calls that need
-    probabilities (the decode cap) always use ``reference``."""
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels a cache is forced to use after its prefill (None: chosen per call, see the
+    module docstring); checked when made."""
+
+    varlen: str | None = None  # one of KERNELS
+    dense: str | None = None  # one of DENSE_KERNELS
+    ragged: str | None = None  # one of RAGGED_KERNELS
+
+    def __post_init__(self) -> None:
+        for value, allowed, variable in (
+            (self.varlen, KERNELS, KERNEL_ENV),
+            (self.dense, DENSE_KERNELS, DENSE_ENV),
+            (self.ragged, RAGGED_KERNELS, RAGGED_ENV),
+        ):
+            if value is not None and value not in allowed:
+                raise ValueError(f"{variable}={value!r}: expected one of {', '.join(allowed)}")
+
+    @classmethod
+    def from_environment(cls, environ=None) -> KernelChoice:
+        """The choice the three variables force (unset or empty: none)."""
+        env = os.environ if environ is None else environ
+        forced = [env.get(name, "").strip().lower() or None for name in (KERNEL_ENV, DENSE_ENV, RAGGED_ENV)]
+        return cls(*forced)
+
+
+def choose_kernel(query: torch.Tensor, need_probs: bool, forced: str | None = None) -> str:
+    """The kernel for one call: ``forced``, else on CPU ``blocked``, on CUDA ``flash`` with fp16/bf16
+    and flash-attn installed and ``sdpa`` otherwise. Calls that need probabilities (the decode cap)
+    always use ``reference``."""
     if need_probs:
         return "reference"
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
     if forced:
-        if forced not in KERNELS:
-            raise ValueError(f"{KERNEL_ENV}={forced!r}: expected one of {', '.join(KERNELS)}")
         return forced
     if not query.is_cuda:
         return "blocked"
@@ -97,26 +122,20 @@ def choose_kernel(query: torch.Tensor, need_probs: bool) -> str:
     return "sdpa"
 
 
-def dense_decode_kernel(query: torch.Tensor, kernel: str) -> str:
+def dense_decode_kernel(query: torch.Tensor, kernel: str, forced: str | None = None) -> str:
     """How one new token per row reads a uniform, padding-free cache's dense view, given the
-    ``kernel`` :func:`choose_kernel` picked for the call: ``grouped``
+    ``kernel`` :func:`choose_kernel` picked for the call: ``forced``, else ``grouped``
     (:func:`pipeline.kv.attention.grouped_decode_attention`) on CPU, ``sdpa`` on CUDA or when that
-    kernel is sdpa; ``$CRITICALKV_DENSE_DECODE=grouped|sdpa`` forces one."""
-    forced = os.environ.get(DENSE_ENV, "").strip().lower()
+    kernel is sdpa."""
     if forced:
-        if forced not in DENSE_KERNELS:
-            raise ValueError(f"{DENSE_ENV}={forced!r}: expected one of {', '.join(DENSE_KERNELS)}")
         return forced
     return "sdpa" if query.is_cuda or kernel == "sdpa" else "grouped"
 
 
-def ragged_decode_kernel(query: torch.Tensor, layer) -> str:
+def ragged_decode_kernel(query: torch.Tensor, layer, forced: str | None = None) -> str:
     """``flat`` or ``blocked`` for a decode step the blocked kernel would take: ``flat`` for one token
     of a single-row layer of at most ``FLAT_MAX_MASKED`` KV heads x slots, ``blocked`` otherwise;
-    ``$CRITICALKV_RAGGED_DECODE=flat|blocked`` forces one (flat still needs one row and one token)."""
-    forced = os.environ.get(RAGGED_ENV, "").strip().lower()
-    if forced and forced not in RAGGED_KERNELS:
-        raise ValueError(f"{RAGGED_ENV}={forced!r}: expected one of {', '.join(RAGGED_KERNELS)}")
+    ``forced`` picks one (flat still needs one row and one token)."""
     if layer.num_rows != 1 or query.shape[2] != 1 or forced == "blocked":
         return "blocked"
     small = layer.num_heads * layer.keys.shape[0] <= FLAT_MAX_MASKED

@@ -195,7 +195,9 @@ def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
 def test_ragged_decode_interleaves_both_kernels_on_one_cache(tiny, monkeypatch):
     import ragged_decode
 
-    monkeypatch.setenv(ragged_decode.RAGGED_ENV, "")
+    from pipeline.kv.varlen_kernels import RAGGED_ENV
+
+    monkeypatch.setenv(RAGGED_ENV, "")
     ids = torch.randint(3, 200, (1, 128), generator=torch.Generator().manual_seed(0))  # long enough to be ragged
     res = ragged_decode.interleaved(tiny.model, ids, cache_size=0.5, steps=4)
     assert {name: len(ms) for name, ms in res["times"].items()} == {"flat": 2, "blocked": 2, "uniform": 2}

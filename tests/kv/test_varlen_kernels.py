@@ -24,6 +24,7 @@ from pipeline.kv.varlen_kernels import (
     FLAT_MAX_MASKED,
     KERNEL_ENV,
     RAGGED_ENV,
+    KernelChoice,
     blocked_attention,
     choose_kernel,
     dense_decode_kernel,
@@ -205,12 +206,11 @@ def test_flat_decode_equals_the_reference_over_many_steps(groups):
     assert buffer != layer.keys.data_ptr()  # the decode steps outgrew the first reservation
 
 
-def test_ragged_decode_kernel_choice(monkeypatch):
+def test_ragged_decode_kernel_choice():
     layer, *_ = _layer_and_chunk()  # two rows
     one_row = VarLenLayer.from_dense(
         torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.arange(4)[None], torch.ones(1, 2, 4, dtype=torch.bool)
     )
-    monkeypatch.delenv(RAGGED_ENV, raising=False)
     assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), one_row) == "flat"
     assert ragged_decode_kernel(torch.zeros(1, 4, 3, 8), one_row) == "blocked"  # a chunk: causal inside
     assert ragged_decode_kernel(torch.zeros(2, 4, 1, 8), layer) == "blocked"  # rows: the waste grows
@@ -221,40 +221,48 @@ def test_ragged_decode_kernel_choice(monkeypatch):
         torch.rand(1, 2, FLAT_MAX_MASKED) < 0.6,
     )
     assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), long_row) == "blocked"  # H x slots > the limit
-    monkeypatch.setenv(RAGGED_ENV, "blocked")
-    assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), one_row) == "blocked"
-    monkeypatch.setenv(RAGGED_ENV, "flat")
-    assert ragged_decode_kernel(torch.zeros(2, 4, 1, 8), layer) == "blocked"  # flat needs one row
-    assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), long_row) == "flat"
-    monkeypatch.setenv(RAGGED_ENV, "dense")
-    with pytest.raises(ValueError, match="CRITICALKV_RAGGED_DECODE='dense'"):
-        ragged_decode_kernel(torch.zeros(1, 4, 1, 8), one_row)
+    assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), one_row, "blocked") == "blocked"
+    assert ragged_decode_kernel(torch.zeros(2, 4, 1, 8), layer, "flat") == "blocked"  # flat needs one row
+    assert ragged_decode_kernel(torch.zeros(1, 4, 1, 8), long_row, "flat") == "flat"
 
 
-def test_kernel_choice(monkeypatch):
+def test_kernel_choice():
     q = torch.zeros(1, 2, 1, 4)
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
     assert choose_kernel(q, need_probs=False) == "blocked"  # CPU default
-    monkeypatch.setenv(KERNEL_ENV, "sdpa")
-    assert choose_kernel(q, need_probs=False) == "sdpa"
-    assert choose_kernel(q, need_probs=True) == "reference"  # the decode cap needs probabilities
-    monkeypatch.setenv(KERNEL_ENV, "triton")
-    with pytest.raises(ValueError, match="CRITICALKV_VARLEN_KERNEL='triton'"):
-        choose_kernel(q, need_probs=False)
+    assert choose_kernel(q, need_probs=False, forced="sdpa") == "sdpa"
+    assert choose_kernel(q, need_probs=True, forced="sdpa") == "reference"  # the decode cap needs probabilities
 
 
-def test_dense_decode_kernel_choice(monkeypatch):
+def test_dense_decode_kernel_choice():
     q = torch.zeros(1, 2, 1, 4)
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
-    monkeypatch.delenv(DENSE_ENV, raising=False)
     assert dense_decode_kernel(q, choose_kernel(q, need_probs=False)) == "grouped"  # CPU default
-    monkeypatch.setenv(KERNEL_ENV, "sdpa")
-    assert dense_decode_kernel(q, choose_kernel(q, need_probs=False)) == "sdpa"  # forced SDPA: the dense view too
-    monkeypatch.setenv(DENSE_ENV, "grouped")
-    assert dense_decode_kernel(q, "sdpa") == "grouped"
-    monkeypatch.setenv(DENSE_ENV, "flash")
-    with pytest.raises(ValueError, match="CRITICALKV_DENSE_DECODE='flash'"):
-        dense_decode_kernel(q, "blocked")
+    assert dense_decode_kernel(q, choose_kernel(q, False, "sdpa")) == "sdpa"  # forced SDPA: the dense view too
+    assert dense_decode_kernel(q, "sdpa", forced="grouped") == "grouped"
+
+
+def test_forced_kernels_are_read_once_when_a_cache_is_made(monkeypatch):
+    """The environment forces kernels for the caches made after it is set; a cache keeps its choice."""
+    from pipeline.kv.cache import VarLenCache
+    from pipeline.kv.compress import Compressor
+    from pipeline.kv.config import CompressionConfig
+
+    for name in (KERNEL_ENV, DENSE_ENV, RAGGED_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert KernelChoice.from_environment() == KernelChoice()
+    monkeypatch.setenv(KERNEL_ENV, " SDPA ")
+    monkeypatch.setenv(RAGGED_ENV, "blocked")
+    cache = VarLenCache(2, Compressor(CompressionConfig()))
+    assert cache.kernels == KernelChoice(varlen="sdpa", ragged="blocked")
+    monkeypatch.setenv(KERNEL_ENV, "reference")
+    assert cache.kernels.varlen == "sdpa"  # not read again per call
+    bad_values = ((KERNEL_ENV, "triton", "varlen"), (DENSE_ENV, "flash", "dense"), (RAGGED_ENV, "dense", "ragged"))
+    for name, bad, value in bad_values:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}='{bad}'"):
+            KernelChoice.from_environment()
+        with pytest.raises(ValueError, match=f"{name}='{bad}'"):
+            KernelChoice(**{value: bad})
+        monkeypatch.delenv(name)
 
 
 def test_flash_without_flash_attn_says_what_is_missing(monkeypatch):
