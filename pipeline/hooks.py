@@ -6,15 +6,17 @@ failure) or end the process (a simulated crash). It is installed
 
 * in-process with :func:`install` (unit tests), or
 * for every process of a run, Ray actors included, by naming it in the environment variable
-  ``CRITICALKV_TEST_HOOK="package.module:function"``; each process imports it at its first
-  :func:`fire`. Ray workers inherit the variable from the driver that starts a local Ray, or
-  from a ``ray job submit --runtime-env-json`` ``env_vars`` entry.
+  ``CRITICALKV_TEST_HOOK="tests.module:function"``; each process imports it at its first
+  :func:`fire`. Only a function of the repository's ``tests`` package is accepted, so the variable
+  cannot make a production process import anything else. Ray workers inherit the variable from the
+  driver that starts a local Ray, or from a ``ray job submit --runtime-env-json`` ``env_vars`` entry.
 
 Events and their context:
 
 =====================  =====================================================================
-``engine.prefill``     ``doc_ids`` (list[str]), ``cache_size`` (float): before a batch's context
-                       prefill, where an out-of-memory error would happen
+``engine.prefill``     ``doc_ids`` (list[str]), ``cache_size`` (float, the prefill cache's kept
+                       fraction): before a batch's context prefill, where an out-of-memory error
+                       would happen
 ``predictor.batch``    ``batch`` (1-based count of this actor's batches), ``doc_ids``: when a Ray
                        actor receives a batch
 ``predictor.generate`` ``doc_ids``: before the actor asks its engine for answers
@@ -57,6 +59,8 @@ def _load_from_env() -> Callable | None:
     _loaded_from_env = True
     if spec:
         module, _, name = spec.partition(":")
+        if module.split(".")[0] != "tests" or not name:
+            raise RuntimeError(f"${ENV_VAR}={spec!r}: expected tests.<module>:<function> (a test hook only)")
         try:
             _installed = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:

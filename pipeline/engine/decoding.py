@@ -96,20 +96,18 @@ class Decoder:
         """One chunk; returns the last position's logits (B, V) in float32."""
         return run_chunk(self.model, cache, ids, pos, logits_to_keep=1).logits[:, -1].float()
 
-    def prefill(self, rows: list[Row], cache: ChunkCache, cache_size: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, rows: list[Row], cache: ChunkCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded context prefill into ``cache`` -> (context lengths (B,), last logits (B, V))."""
-        hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache_size)
+        hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache.kept_fraction)
         ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
         zeros = torch.zeros(len(rows), dtype=torch.long)
         ids, pos = left_pad([r.prompt.context_ids for r in rows], zeros, self.pad_id, self.device)
         return ctx_len, self.forward(cache, ids, pos)
 
-    def prefill_chunked(
-        self, rows: list[Row], cache: VarLenCache, cache_size: float, chunk: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_chunked(self, rows: list[Row], cache: VarLenCache, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Context prefill ``chunk`` tokens at a time (positions [k*chunk, (k+1)*chunk) of every row),
         compressing the cache after each chunk (:mod:`pipeline.kv.chunked`). Same returns as :meth:`prefill`."""
-        hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache_size)
+        hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache.kept_fraction)
         contexts = [r.prompt.context_ids for r in rows]
         ctx_len = torch.tensor([len(c) for c in contexts])
         logits = None

@@ -167,8 +167,8 @@ class Engine:
         cfg = cache.compressor.config
         warn_below_window(rows, cfg)
         if cfg.chunked:
-            return self.decoder.prefill_chunked(rows, cache, cfg.cache_size, cfg.prefill_chunk)
-        ctx_len, logits = self.decoder.prefill(rows, cache, cfg.cache_size)
+            return self.decoder.prefill_chunked(rows, cache, cfg.prefill_chunk)
+        ctx_len, logits = self.decoder.prefill(rows, cache)
         if cfg.phase is Phase.PASSES:
             self._run_passes(rows, cache)
         return ctx_len, logits

@@ -85,7 +85,7 @@ class SweepBatch:
         with meter:
             capture = CaptureCache(engine.shape.num_layers, self.compressors)
             t0 = now(engine.device)
-            ctx_len, logits = engine.decoder.prefill(rows, capture, 1.0)
+            ctx_len, logits = engine.decoder.prefill(rows, capture)
             prefill_s = now(engine.device) - t0
             passes = self._reconstructions(capture)
             for group in decode_groups(self.compressors, engine.generation.settings_per_decode):

@@ -75,7 +75,7 @@ def document_targets(engine, doc: dict, sample_tokens: int, share_sizes: list[fl
     cache = VarLenCache(engine.shape.num_layers, Compressor(config))
     hidden: dict[int, torch.Tensor] = {}
     with recorded_attention_inputs(engine.model, hidden):
-        engine.decoder.prefill(rows, cache, config.cache_size)
+        engine.decoder.prefill(rows, cache)
     scores = engine.reconstruction.scores(
         [rows[0].prompt.context_ids], [rows[0].prompt.prefix_tokens], cache.pending, config.reconstruction_chunk, True
     )

@@ -69,6 +69,11 @@ class ChunkCache(Cache):
         """The next chunk's attention inputs must be recorded (a scorer reads them; see run_chunk)."""
         return False
 
+    @property
+    def kept_fraction(self) -> float:
+        """The ``cache_size`` this cache compresses the context to (1.0: it keeps it whole)."""
+        return 1.0
+
     def begin_chunk(self, positions: torch.Tensor) -> None:
         """Declare the positions of the next forward's tokens: (B, T) long, -1 on padding.
 
@@ -185,6 +190,10 @@ class VarLenCache(ChunkCache):
         cache.store = [VarLenLayer.concat([c.store[i] for c in caches]) for i in range(first.num_layers)]
         cache._finish_context()
         return cache
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.compressor.config.cache_size
 
     @property
     def wants_hidden_states(self) -> bool:

@@ -258,19 +258,13 @@ def packed_segments(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
     return keys[:, None], values[:, None], cu.to(torch.int32), max_len
 
 
-def flash_varlen_attention(
-    query: torch.Tensor,
-    layer,
-    scaling: float,
-    varlen_fn: Callable | None = None,
-) -> torch.Tensor:
-    """Attention of T new queries per row over ``layer`` with a flash-attn varlen kernel.
+def flash_varlen_attention(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
+    """Attention of T new queries per row over ``layer`` with flash-attn's ``flash_attn_varlen_func``.
 
     query: (B, H_q, T, D); the chunk's keys must already be appended (they are the last T entries
-    of each segment). ``varlen_fn`` defaults to ``flash_attn.flash_attn_varlen_func``.
-    Returns (B, H_q, T, D).
+    of each segment). Returns (B, H_q, T, D).
     """
-    fn = varlen_fn or flash_varlen_function()
+    fn = flash_varlen_function()
     if fn is None:
         raise RuntimeError("the flash varlen kernel needs the flash-attn package (pip install flash-attn)")
     bsz, h_q, t, dim = query.shape

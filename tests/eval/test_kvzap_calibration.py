@@ -55,7 +55,7 @@ def _true_scores(engine, doc):
     rows = engine._rows_for(Request("x", doc["context"], ["?"]))
     cache, hidden = VarLenCache(engine.shape.num_layers, Compressor(config)), {}
     with recorded_attention_inputs(engine.model, hidden):
-        engine.decoder.prefill(rows, cache, 0.5)
+        engine.decoder.prefill(rows, cache)
     prompt = rows[0].prompt
     scores = engine.reconstruction.scores([prompt.context_ids], [prompt.prefix_tokens], cache.pending, 2048, True)
     return scores, hidden, cache.pending[0].key_pos, prompt.prefix_tokens
