@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kv.allocation import row_budgets
 from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
 from ..kv.rows import layer_lengths, regroup, take_rows
@@ -124,7 +125,8 @@ class ContinuousBatch:
                 self.largest_bytes = max(self.largest_bytes, cache.nbytes())
             ended = self._choose(active)
             if ended:
-                joining = [self._next_round(cache, j, active[j]) for j in ended if self._finish(cache, j, active[j])]
+                sizes = cache.bytes_per_row().tolist(), cache.used_bytes_per_row().tolist()
+                joining = [self._next_round(cache, j, active[j]) for j in ended if self._finish(sizes, j, active[j])]
                 keep = [j for j in range(len(active)) if j not in set(ended)]
                 active = [active[j] for j in keep]
                 if keep:
@@ -169,7 +171,9 @@ class ContinuousBatch:
         whole blocks (:data:`~pipeline.kv.store.BLOCK`), plus the segment tables."""
         shape, cfg = self.engine.shape, self.compressor.config
         n = len(row.prompt.context_ids)
-        kept = min(n, max(cfg.budget or round(n * cfg.cache_size), cfg.window)) if cfg.compresses else n
+        kept = (
+            int(row_budgets(torch.tensor([n]), cfg.cache_size, cfg.budget, cfg.window)[0][0]) if cfg.compresses else n
+        )
         question = len(row.prompt.question_ids[0]) if row.prompt.question_ids else 0
         slots = kept + question + self.engine.max_new_tokens_for(row.request) + BLOCK - 1
         segments = shape.num_layers * shape.num_kv_heads
@@ -219,9 +223,10 @@ class ContinuousBatch:
                 ended.append(j)
         return ended
 
-    def _finish(self, cache: VarLenCache, j: int, seq: Sequence) -> bool:
-        """Record row ``j``'s answer; True when the document has another question."""
-        reserved, used = cache.bytes_per_row()[j], cache.used_bytes_per_row()[j]
+    def _finish(self, sizes: tuple[list[int], list[int]], j: int, seq: Sequence) -> bool:
+        """Record row ``j``'s answer (``sizes``: the batch's reserved and used bytes per row); True
+        when the document has another question."""
+        reserved, used = sizes[0][j], sizes[1][j]
         seq.results.append(
             RoundResult(
                 text=self.decoder._text(seq.tokens, seq.stop_id),
@@ -244,8 +249,7 @@ class ContinuousBatch:
 
     def _next_round(self, cache: VarLenCache, j: int, seq: Sequence) -> tuple[Sequence, VarLenCache]:
         """Row ``j`` rolled back to its context in a cache of its own, its next question prefilled."""
-        heads = self.engine.shape.num_kv_heads
-        layers = [take_rows(layer, [j], mark[:heads]) for layer, mark in zip(cache.store, seq.context)]
+        layers = [take_rows(layer, [j], mark) for layer, mark in zip(cache.store, seq.context)]
         one = VarLenCache.from_layers(layers, self.compressor)
         self._ask(seq, one)
         return seq, one
