@@ -283,16 +283,7 @@ class _Run:
             self.config.rows_per_file,
             on_commit=_progress_printer(docs_scheduled) if self.echo else None,
         )
-        try:
-            for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                committer.add(table)
-        except BaseException:
-            try:
-                committer.flush()
-            except Exception:  # noqa: BLE001 - the pipeline's own error is the one to report
-                pass
-            raise
-        committer.flush()
+        committer.commit_all(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
 
     def _record_end(self, manifest, run, error, wall, this_run, summary, final, removed, missing) -> None:
         """The run's entry in the manifest once its rows are committed and checked."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -121,6 +121,28 @@ class BatchCommitter:
         self.rows += table.num_rows
         if self.on_commit is not None:
             self.on_commit(table, self.rows)
+
+    def commit_all(self, tables: Iterable[pa.Table]) -> None:
+        """Commit every table as it arrives, then what is held. On a failure (the pipeline's, or a
+        commit's own such as a full disk) the rows already received are committed when they can be,
+        and the iterator is closed before the error propagates: Ray Data stops its executor in the
+        iterator's ``finally``, and an iterator left to the garbage collector outlives
+        ``ray.shutdown()``, so Ray's core worker printed after the driver's last sentence."""
+        batches = iter(tables)
+        try:
+            for table in batches:
+                self.add(table)
+        except BaseException:
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
+        finally:
+            close = getattr(batches, "close", None)  # generators have it; a plain list iterator not
+            if close is not None:
+                close()
+        self.flush()
 
 
 # ---------------------------------------------------------------------- bookkeeping (driver)

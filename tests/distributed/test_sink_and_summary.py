@@ -107,6 +107,41 @@ def test_summary_of_failed_and_empty_runs():
     assert empty.rows == 0 and empty.tokens_per_s is None
 
 
+def test_commit_all_closes_the_stream_before_a_commit_error_propagates(tmp_path, monkeypatch):
+    """A commit that fails (a full disk) must stop the producing iterator at once: Ray Data stops its
+    executor in the iterator's ``finally``; left to the garbage collector it outlived ray.shutdown()."""
+    closed = []
+
+    def stream():
+        try:
+            yield _rows(("a", "0"))
+            yield _rows(("b", "0"))
+            yield _rows(("c", "0"))
+        finally:
+            closed.append(True)
+
+    committer = sink.BatchCommitter(tmp_path, "r1")  # a file per table: the second one fails
+    real_commit, calls = sink.commit_table, []
+
+    def failing_commit(table, *args):
+        calls.append(table.num_rows)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real_commit(table, *args)
+
+    monkeypatch.setattr(sink, "commit_table", failing_commit)
+    with pytest.raises(OSError, match="No space left") as failure:
+        committer.commit_all(stream())
+    assert failure.value is not None and closed == [True]  # closed while the error's traceback lives
+    assert [pq.read_metadata(f).num_rows for f in sink.committed_files(tmp_path)] == [1]
+
+
+def test_commit_all_commits_every_table_and_the_remainder(tmp_path):
+    committer = sink.BatchCommitter(tmp_path, "r1", rows_per_file=2)
+    committer.commit_all([_rows(("a", "0")), _rows(("b", "0"), ("b", "1")), _rows(("c", "0"))])
+    assert (committer.files, committer.rows) == (2, 4)
+
+
 def test_batch_committer_commits_each_table_or_bundles_rows(tmp_path):
     committed = []
     each = sink.BatchCommitter(tmp_path / "each", "r1", on_commit=lambda table, rows: committed.append(table))
