@@ -2,13 +2,16 @@
 
     python jobs/eval_compression.py --tasks niah_single_1,vt --length 2048 --samples 5 \\
         --methods snapkv,criticalkv-snapkv --cache-sizes 0.2,0.4,1.0 [--query-aware] --output OUT
+    python jobs/eval_compression.py --input my_docs.jsonl --methods ... --output OUT   # your documents
 
-1. RULER-style documents are generated offline, their lengths fitted with the model's tokenizer;
+1. the documents: RULER-style ones generated offline (their lengths fitted with the model's
+   tokenizer), or the user's own (``--input``, any input of the batch jobs, with the same column flags);
 2. every (method, cache size) plus one full-cache reference is answered for every document by the
    same Ray pipeline as the other jobs (resume, atomic commits, manifest), each context prefilled
    once per document and each setting's cache derived from that prefill;
-3. every answer is scored with its task's RULER metric (``score`` column, ``task`` column), and
-   ``OUT/report.md`` + plots are written.
+3. every answer with references is scored (``score`` column): a RULER task's own metric, else
+   ``--metric``; every compressed answer carries the fidelity NLL increase (the full cache's answer
+   under its cache, no labels needed); ``OUT/report.md`` + plots rank the methods by both.
 
 This module composes the distributed room (the job) and the eval room (documents, scoring).
 """
@@ -17,12 +20,13 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import ClassVar, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import Field
+from pydantic import Field, model_validator
 from transformers import AutoTokenizer
 
 from pipeline.data.locations import is_uri
@@ -64,10 +68,19 @@ DEFAULT_METHODS = [
 ]
 
 
+GENERATED_ONLY = {"tasks", "length", "samples", "seed", "summary_tokens"}  # options of the generated documents
+
+
 class EvalJob(JobConfig):
     """Sweep"""
 
     job: Literal["eval_compression"] = Field("eval_compression", json_schema_extra=HIDDEN)
+    input: str | None = Field(
+        None,
+        description="your documents instead of generated ones: Parquet file/dir, JSONL, save_to_disk dir, hub "
+        "dataset, or an s3:// / gs:// URI (the batch jobs' inputs and column flags); rows with references are "
+        "scored by --metric, all rows by the fidelity NLL (default: generated RULER documents, --tasks)",
+    )
     tasks: list[str] = Field(
         DEFAULT_TASKS,
         description="RULER tasks, and summary_essay for essay summaries scored "
@@ -91,15 +104,9 @@ class EvalJob(JobConfig):
     generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
 
     cli_exclude: ClassVar[tuple[str, ...]] = (
-        "input",
-        "split",
-        "dataset_config",
-        "columns",
-        "instruction",
         "sample_docs",
         "sample_words",
         "sample_seed",
-        "normalise",
         "compression.method",
         "compression.scorer",
         "compression.allocation",
@@ -108,9 +115,19 @@ class EvalJob(JobConfig):
         "compression.budget",
     )
 
+    @model_validator(mode="after")
+    def _generated_or_own(self) -> EvalJob:
+        if self.input is not None:
+            unused = sorted(GENERATED_ONLY & self.model_fields_set)
+            if unused:
+                flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+                raise ValueError(f"input: {flags} describe generated documents; with --input your documents are swept")
+        return self
+
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:
         sweep = [
+            "input",
             "tasks",
             "length",
             "samples",
@@ -124,12 +141,17 @@ class EvalJob(JobConfig):
         rest = super().option_groups()
         return [("sweep", sweep)] + [(title, [n for n in names if n not in sweep]) for title, names in rest]
 
-    def job_config(self, documents: str) -> JobConfig:
-        """The batch job that answers the sweep: ``documents`` as input, every setting swept."""
+    def job_config(self, documents: str | None = None) -> JobConfig:
+        """The batch job that answers the sweep, every setting swept: on ``--input`` with the user's
+        column flags, else on ``documents`` (the generated ones, already normalised)."""
         settings = sweep_settings(self.methods, self.cache_sizes, self.compression)
-        # columns: the generated documents are already normalised (a dump would mark every mapping field set)
         fields = self.model_dump(include=set(JobConfig.model_fields) - {"compression", "sweep", "input", "columns"})
-        return JobConfig.model_validate({**fields, "input": documents, "compression": settings[0], "sweep": settings})
+        # only the column flags given: a dump of the defaults would mark every mapping field set
+        fields["columns"] = self.columns.model_dump(exclude_unset=True) if self.input is not None else {}
+        source = self.input if self.input is not None else documents
+        if source is None:
+            raise ValueError("input: no documents (neither --input nor generated ones)")
+        return JobConfig.model_validate({**fields, "input": source, "compression": settings[0], "sweep": settings})
 
 
 def write_documents(config: EvalJob) -> Path:
@@ -161,7 +183,7 @@ def write_documents(config: EvalJob) -> Path:
 def _run(job) -> int | None:
     """None when the sweep ran, else its exit code (1: failed part-way; bad configuration exits 2)."""
     try:
-        run_job(job, score=score_answer)
+        run_job(job, score=partial(score_answer, default_metric=job.metric))
     except JobConfigError as exc:
         fail(f"invalid {exc}")
     except JobFailed as exc:
@@ -176,11 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.report_dir is None and is_uri(config.output):
         fail("invalid --report-dir: --output is a URI; give a local directory for the report")
     try:
-        job = config.job_config(str(write_documents(config)))
+        job = config.job_config(None if config.input is not None else str(write_documents(config)))
     except ValueError as exc:
         fail(f"invalid {exc}")
     settings = ", ".join(f"{s.label}@{s.cache_size:g}" for s in job.sweep)
-    print(f"{config.samples * len(config.tasks)} documents x {len(job.sweep)} settings ({settings})")
+    documents = config.input if config.input is not None else f"{config.samples * len(config.tasks)} documents"
+    print(f"{documents} x {len(job.sweep)} settings ({settings})")
     failed = run_interruptibly(lambda: _run(job))
     if failed is not None:
         return failed

@@ -61,8 +61,8 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
         plots.fidelity(fid, out_dir / "fidelity.png")
         parts.append("![answer fidelity](fidelity.png)\n")
 
-    if quality and fid:
-        parts += _comparison_sections(tables.compression_loss(quality), fid)
+    if fid:  # without scored rows (no references) the methods rank by answer fidelity alone
+        parts += _comparison_sections(tables.compression_loss(quality) if quality else [], fid)
 
     cost = tables.costs(table)
     if cost:
@@ -77,7 +77,8 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
 
 def _comparison_sections(loss: list[dict], fid: list[dict]) -> list[str]:
     """The best methods per cache size and CriticalKV against top-k on the same base method."""
-    parts = ["## Best methods per cache size (by average score; ties by the lower NLL increase)\n"]
+    title = "by average score; ties by the lower NLL increase" if loss else "by the NLL increase: no scored rows"
+    parts = [f"## Best methods per cache size ({title})\n"]
     parts.append(tables.markdown(comparisons.best_methods(loss, fid)))
     effect = comparisons.criticalkv_effect(loss, fid)
     if effect:

@@ -15,22 +15,30 @@ CRITICALKV_PREFIX = "criticalkv-"
 
 def best_methods(loss_rows: list[dict], fidelity_rows: list[dict], top: int = 5) -> list[dict]:
     """Per cache size, the ``top`` methods by average score (ties broken by the lower NLL increase),
-    with their score as a fraction of the full cache's."""
+    with their score as a fraction of the full cache's; methods without a scored row (documents
+    without references) rank after the scored ones, by the NLL increase alone."""
     nll = {(r["method"], r["cache_size"]): r["nll_delta"] for r in fidelity_rows}
+    scored = {(r["method"], r["cache_size"]): r for r in loss_rows}
     out = []
-    for size in sorted({r["cache_size"] for r in loss_rows}):
-        rows = [r for r in loss_rows if r["cache_size"] == size]
-        rows.sort(key=lambda r: (-r["average"], _or_inf(nll.get((r["method"], size))), r["method"]))
-        for rank, r in enumerate(rows[:top], start=1):
-            full = r["full_cache"]
+    for size in sorted({size for _, size in set(nll) | set(scored)}):
+        methods = sorted({m for m, s in set(nll) | set(scored) if s == size})
+        methods.sort(
+            key=lambda m: (
+                -scored[(m, size)]["average"] if (m, size) in scored else float("inf"),
+                _or_inf(nll.get((m, size))),
+            )
+        )
+        for rank, method in enumerate(methods[:top], start=1):
+            row = scored.get((method, size), {})
+            full = row.get("full_cache")
             out.append(
                 {
                     "cache_size": size,
                     "rank": rank,
-                    "method": r["method"],
-                    "average": r["average"],
-                    "of_full_cache": (r["average"] / full) if full else None,
-                    "nll_delta": nll.get((r["method"], size)),
+                    "method": method,
+                    "average": row.get("average"),
+                    "of_full_cache": (row["average"] / full) if full else None,
+                    "nll_delta": nll.get((method, size)),
                 }
             )
     return out

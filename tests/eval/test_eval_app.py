@@ -42,7 +42,22 @@ def test_job_config_sweeps_every_setting_over_generated_documents(tmp_path):
     assert job.columns.model_fields_set == set()  # the documents are already normalised
     assert job.generation.max_new_tokens == 24 and job.job == "eval_compression"
     help_text = parser.parser.format_help()
-    assert "--tasks" in help_text and "--summary-tokens" in help_text and "--id-column" not in help_text
+    assert "--tasks" in help_text and "--summary-tokens" in help_text and "--sample-docs" not in help_text
+    assert "--input" in help_text and "--id-column" in help_text  # own documents, with the jobs' column flags
+
+
+def test_own_documents_replace_the_generated_ones(tmp_path):
+    docs = tmp_path / "mine.jsonl"
+    docs.write_text('{"id": "a", "text": "some context", "question": "why?"}\n')
+    parser = OptionParser(EvalJob, prog="eval")
+    args = ["--input", str(docs), "--id-column", "id", "--context-column", "text", "--output", str(tmp_path / "o")]
+    config, _ = parser.parse([*args, "--methods", "snapkv", "--cache-sizes", "0.5", "--metric", "qa_f1"])
+    job = config.job_config()
+    assert job.input == str(docs) and job.metric == "qa_f1" and [s.method for s in job.sweep] == ["none", "snapkv"]
+    assert job.columns.model_fields_set == {"id", "context"}  # the user's column flags, only those
+    with pytest.raises(SystemExit) as refused:  # a generated-documents option with --input: said, not ignored
+        parser.parse([*args, "--tasks", "vt", "--samples", "3"])
+    assert refused.value.code == 2
 
 
 def test_methods_flag_keeps_variant_brackets_together(tmp_path):

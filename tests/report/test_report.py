@@ -91,6 +91,21 @@ def test_best_methods_break_score_ties_by_fidelity():
     assert [r["method"] for r in comparisons.best_methods(loss, fid, top=2)] == ["b", "a"]
 
 
+def test_best_methods_rank_unscored_documents_by_fidelity_alone():
+    """Own documents without references: no row is scored, the methods rank by the NLL increase."""
+    fid = [
+        {"method": "a", "cache_size": 0.2, "nll_delta": 0.3},
+        {"method": "b", "cache_size": 0.2, "nll_delta": 0.1},
+        {"method": "a", "cache_size": 0.4, "nll_delta": 0.05},
+        {"method": "b", "cache_size": 0.4, "nll_delta": 0.07},
+    ]
+    best = comparisons.best_methods([], fid, top=5)
+    assert [(r["cache_size"], r["method"]) for r in best] == [(0.2, "b"), (0.2, "a"), (0.4, "a"), (0.4, "b")]
+    assert best[0]["average"] is None and best[0]["of_full_cache"] is None and best[0]["nll_delta"] == 0.1
+    scored = [{"method": "a", "cache_size": 0.2, "average": 0.4, "full_cache": 0.8, "relative_loss": 0.5}]
+    assert [r["method"] for r in comparisons.best_methods(scored, fid[:2])] == ["a", "b"]  # scored ones first
+
+
 def test_report_files_and_cli(tmp_path):
     out = tmp_path / "run"
     (out / "data").mkdir(parents=True)
