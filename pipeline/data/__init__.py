@@ -3,7 +3,7 @@
 Nothing here imports torch or Ray; every function works on plain Python and pyarrow objects.
 """
 
-from pipeline.data.normalise import ColumnMapping, check_duplicate_ids, content_id, normalise_batch
+from pipeline.data.normalise import ColumnMapping, check_duplicate_ids, content_id, normalise_batch, question_hashes
 from pipeline.data.schema import (
     DOCUMENT_COLUMNS,
     DOCUMENT_SCHEMA,
@@ -40,6 +40,7 @@ __all__ = [
     "content_id",
     "empty_table",
     "normalise_batch",
+    "question_hashes",
     "question_rows",
     "read_documents",
     "read_jsonl",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -121,6 +122,19 @@ class ColumnMapping(BaseModel):
 def content_id(text: str) -> str:
     """Stable document id from content: the first 16 hex digits of the SHA-1 of its UTF-8 text."""
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def question_hashes(doc: Mapping[str, Any]) -> dict[str, str]:
+    """Question id -> a digest of what its answer is computed from (the context, the question, the
+    answer prefix and the generation limit) for one normalised document (:data:`DOCUMENT_SCHEMA`
+    fields); the output's ``input_hash``. A repeated question id keeps its first question."""
+    head = [doc.get("context") or "", doc.get("answer_prefix") or "", str(doc.get("max_new_tokens"))]
+    out: dict[str, str] = {}
+    for qid, question in zip(doc.get("question_ids") or [], doc.get("questions") or []):
+        if str(qid) not in out:
+            text = "\x1f".join([*head, question or ""])
+            out[str(qid)] = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return out
 
 
 def _kind(value: object) -> str:

@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3  # 2: answer_nll, answer_nll_delta (answer fidelity of sweeps); 3: kv_bytes_reserved, kv_bytes_used
+SCHEMA_VERSION = 4  # 2: answer_nll, answer_nll_delta (answer fidelity of sweeps); 3: kv_bytes_reserved, kv_bytes_used;
+# 4: input_hash, finish_reason, decode_batch
 SCHEMA_VERSION_KEY = b"pipeline.schema_version"
 
 # Who fills each column (the single place the output contract is written down):
@@ -43,10 +44,15 @@ _OUTPUT_FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("budget", pa.int64(), SETTING),
     ("prediction", pa.string(), ANSWER),
     ("reference", pa.list_(pa.string()), INPUT),
+    # what the row was computed from (context, question, answer prefix, limit): a rerun warns when it changed
+    ("input_hash", pa.string(), INPUT),
     ("score", pa.float64(), EVAL),
     ("context_tokens", pa.int64(), ANSWER),
     ("question_tokens", pa.int64(), ANSWER),
     ("generated_tokens", pa.int64(), ANSWER),
+    # why the answer ended: stop (EOS), length (max_new_tokens; text cut there), sentence (max_new_tokens,
+    # text cut back to its last complete sentence by end_at_sentence)
+    ("finish_reason", pa.string(), ANSWER),
     ("truncated_tokens", pa.int64(), ANSWER),
     ("kv_entries_full", pa.int64(), ANSWER),
     ("kv_entries_kept", pa.int64(), ANSWER),
@@ -59,6 +65,8 @@ _OUTPUT_FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("compress_s", pa.float64(), ANSWER),
     ("decode_s", pa.float64(), ANSWER),
     ("decode_ms_per_token", pa.float64(), ANSWER),
+    # mean rows decoded together over the steps decode_s covers (1: alone; the batch's occupancy)
+    ("decode_batch", pa.float64(), ANSWER),
     ("peak_memory_bytes", pa.int64(), ANSWER),
     ("device", pa.string(), ANSWER),
     # fidelity (sweeps): mean NLL of the full cache's answer under this row's cache, and minus the full cache's

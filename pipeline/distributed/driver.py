@@ -103,6 +103,7 @@ class RunResult:
     total_rows: int  # committed rows in the output (all runs)
     wall_s: float
     rows_with_error: int = 0  # committed rows in the output whose error is set (all runs)
+    docs_changed: int | None = None  # documents whose committed rows came from other content (None: not checked)
     extra: dict = field(default_factory=dict)
 
 
@@ -197,7 +198,16 @@ class _Run:
     def _schedule(self, docs: pa.Table | None, committed: sink.Committed):
         """Expected row keys and the documents still to do (driver-normalised inputs only)."""
         if docs is None:
-            return None, None, {"docs_input": None, "docs_skipped": None, "docs_scheduled": None}
+            return None, None, {"docs_input": None, "docs_skipped": None, "docs_scheduled": None, "docs_changed": None}
+        changed = sink.changed_inputs(docs, committed)
+        if changed and self.echo:
+            print(
+                f"WARNING: {len(changed)} documents differ from what their committed rows in {self.out.location.uri} "
+                f"were computed from ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}): their old "
+                "answers are kept; use a new --output to answer the new content",
+                file=sys.stderr,
+                flush=True,
+            )
         doc_ids = docs.column("doc_id").to_pylist()
         keys = [row_question_ids(qs, self.settings) for qs in docs.column("question_ids").to_pylist()]
         expected = {(d, k) for d, ks in zip(doc_ids, keys) for k in ks}
@@ -207,6 +217,7 @@ class _Run:
             "docs_input": len(doc_ids),
             "docs_skipped": len(doc_ids) - docs.num_rows,
             "docs_scheduled": docs.num_rows,
+            "docs_changed": len(changed),  # committed rows computed from other content (kept, warned)
         }
         return expected, docs, counts
 
@@ -368,5 +379,6 @@ class _Run:
             total_rows=final.rows,
             wall_s=wall,
             rows_with_error=final.rows - sum(len(v) for v in final.succeeded.values()),
+            docs_changed=counts["docs_changed"],
             extra={"ray": self.ray_info, "normalise": self.mode},
         )

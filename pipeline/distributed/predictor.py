@@ -30,6 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipeline import hooks
+from pipeline.data.normalise import question_hashes
 from pipeline.data.schema import ANSWER, SETTING, columns_filled_by, rows_to_table
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.types import Answer, Request, Setting, row_question_ids
@@ -221,6 +222,7 @@ class Predictor:
         qids = list(dict.fromkeys(str(q) for q in (doc.get("question_ids") or ["0"])))  # a key once, even if repeated
         refs = doc.get("references") or []
         full = self._full_cache_predictions(qids, answers)
+        hashes = question_hashes(doc)
         rows = []
         for key, (q, setting) in self._keys(qids).items():
             row = {
@@ -230,6 +232,7 @@ class Predictor:
                 "question_id": key,
                 "task": doc.get("task"),
                 "reference": refs[q] if q < len(refs) else None,
+                "input_hash": hashes.get(qids[q]),
             }
             if isinstance(answers, str):
                 row["error"] = answers

@@ -31,7 +31,7 @@ import hashlib
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,6 +39,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from pipeline.data.locations import TMP_PREFIX, Location, fsync_directory, resolve
+from pipeline.data.normalise import question_hashes
 from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
 
 PART_PREFIX = "part-"
@@ -164,7 +165,7 @@ def remove_debris(data_dir: str | os.PathLike | Location) -> int:
     return len(debris)
 
 
-KEY_COLUMNS = ["doc_id", "question_id", "error"]
+KEY_COLUMNS = ["doc_id", "question_id", "error", "input_hash"]
 
 
 def read_keys(data_dir: str | os.PathLike | Location) -> pa.Table:
@@ -184,6 +185,7 @@ def _keys_of(files: list[Location]) -> pa.Table:
                 "doc_id": pa.array([], pa.string()),
                 "question_id": pa.array([], pa.string()),
                 "error": pa.array([], pa.string()),
+                "input_hash": pa.array([], pa.string()),
                 "file": pa.array([], pa.int32()),
             }
         )
@@ -197,6 +199,7 @@ class Committed:
     answered: dict[str, set[str]]  # doc_id -> question ids with a row (any row, error or not)
     succeeded: dict[str, set[str]]  # doc_id -> question ids with a row without error
     rows: int  # rows in committed files (a duplicate counts twice)
+    inputs: dict[str, set[str]] = field(default_factory=dict)  # doc_id -> input_hash of its rows
 
     @property
     def keys(self) -> int:
@@ -212,11 +215,27 @@ def committed_state(data_dir: str | os.PathLike | Location) -> Committed:
     keys = read_keys(data_dir)
     answered: dict[str, set[str]] = defaultdict(set)
     succeeded: dict[str, set[str]] = defaultdict(set)
-    for doc_id, qid, error in zip(*(keys.column(c).to_pylist() for c in KEY_COLUMNS)):
+    inputs: dict[str, set[str]] = defaultdict(set)
+    for doc_id, qid, error, digest in zip(*(keys.column(c).to_pylist() for c in KEY_COLUMNS)):
         answered[doc_id].add(qid)
         if error is None:
             succeeded[doc_id].add(qid)
-    return Committed(dict(answered), dict(succeeded), keys.num_rows)
+        if digest is not None:
+            inputs[doc_id].add(digest)
+    return Committed(dict(answered), dict(succeeded), keys.num_rows, dict(inputs))
+
+
+def changed_inputs(docs: pa.Table, committed: Committed) -> list[str]:
+    """Ids of the normalised ``docs`` whose committed rows were computed from other content: a row's
+    ``input_hash`` that none of the document's questions has now (a changed context, question,
+    answer prefix or limit under the same doc_id). Their old rows would otherwise be kept silently."""
+    columns = ["doc_id", "context", "questions", "question_ids", "answer_prefix", "max_new_tokens"]
+    changed = []
+    for doc in docs.select(columns).to_pylist():
+        before = committed.inputs.get(doc["doc_id"])
+        if before and not before <= set(question_hashes(doc).values()):
+            changed.append(doc["doc_id"])
+    return changed
 
 
 def dedupe(data_dir: str | os.PathLike | Location, settings_id: str) -> int:

@@ -30,6 +30,7 @@ class RunSummary:
     output: str
     rows_skipped: int = 0
     decode_ms_per_token_median: float | None = None  # one sequence's decode step, median over rows
+    decode_batch_mean: float | None = None  # rows decoded together per step, over every row's steps
 
     @property
     def kv_bytes_saved(self) -> int:
@@ -95,6 +96,7 @@ def summarize(
                 "kv_bytes_full",
                 "kv_bytes_kept",
                 "decode_ms_per_token",
+                "decode_batch",
             )
             if c in table.column_names
         ]
@@ -109,6 +111,9 @@ def summarize(
     fractions = [c["kv_bytes_kept"] / c["kv_bytes_full"] for c in caches.values() if c.get("kv_bytes_full")]
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     per_token = [r["decode_ms_per_token"] for r in ok if r.get("decode_ms_per_token")]
+    # a row's decode steps ~ its generated tokens: weight each row's occupancy by them
+    occupancy = [(r["decode_batch"], r.get("generated_tokens") or 0) for r in ok if r.get("decode_batch")]
+    steps = sum(w for _, w in occupancy)
     return RunSummary(
         rows=len(rows),
         rows_ok=len(ok),
@@ -126,6 +131,7 @@ def summarize(
         output=output,
         rows_skipped=rows_skipped,
         decode_ms_per_token_median=_percentile(per_token, 50),
+        decode_batch_mean=sum(b * w for b, w in occupancy) / steps if steps else None,
     )
 
 
@@ -155,6 +161,7 @@ def format_summary(s: RunSummary, title: str = "run summary") -> str:
         ("generated tokens / job wall time", _num(s.generated_tokens_per_s, ",.1f", " tok/s")),
         ("documents / hour of job wall time", _num(s.docs_per_hour, ",.0f")),
         ("decode speed per sequence (1000 / median ms per token)", _num(s.decode_tokens_per_s, ",.1f", " tok/s")),
+        ("rows decoded together per step (mean)", _num(s.decode_batch_mean, ".1f")),
         ("wall time", f"{s.wall_s:.1f} s"),
         ("output", s.output),
     ]

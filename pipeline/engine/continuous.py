@@ -62,6 +62,7 @@ class Sequence:
     question_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
+    row_steps: int = 0  # rows decoded beside it (itself included), summed over its steps
     footprint: int = 0  # bytes its rows of the cache hold (reserved for the whole answer)
     tokens: list[int] = field(default_factory=list)
     stop_id: int | None = None
@@ -204,7 +205,7 @@ class ContinuousBatch:
             logits = self.decoder.forward(one, ids, pos)[0]
         seq.question_s = now(self.engine.device) - t0
         seq.logits, seq.next_pos, seq.question_tokens = logits, seq.ctx_len + len(q_ids), len(q_ids)
-        seq.tokens, seq.stop_id, seq.decode_s, seq.steps = [], None, 0.0, 0
+        seq.tokens, seq.stop_id, seq.decode_s, seq.steps, seq.row_steps = [], None, 0.0, 0, 0
         seq.footprint = int(one.bytes_per_row()[0])
 
     def _choose(self, active: list[Sequence]) -> list[int]:
@@ -227,9 +228,12 @@ class ContinuousBatch:
         """Record row ``j``'s answer (``sizes``: the batch's reserved and used bytes per row); True
         when the document has another question."""
         reserved, used = sizes[0][j], sizes[1][j]
+        text, finish_reason = self.decoder._text(seq.tokens, seq.stop_id)
         seq.results.append(
             RoundResult(
-                text=self.decoder._text(seq.tokens, seq.stop_id),
+                text=text,
+                finish_reason=finish_reason,
+                decode_batch=seq.row_steps / seq.steps if seq.steps else None,
                 generated_tokens=len(seq.tokens) + (1 if len(seq.tokens) < seq.limit else 0),
                 question_tokens=seq.question_tokens,
                 question_s=seq.question_s,
@@ -266,4 +270,4 @@ class ContinuousBatch:
         for j, seq in enumerate(active):
             seq.logits, seq.next_pos = logits[j], seq.next_pos + 1
             seq.decode_s += seconds
-            seq.steps += 1
+            seq.steps, seq.row_steps = seq.steps + 1, seq.row_steps + len(active)

@@ -36,6 +36,8 @@ class RoundResult:
     answer_nll: float | None = None  # fidelity: mean NLL of the reference answer (engine.fidelity)
     kv_bytes_reserved: int | None = None  # the row's cache at the round's end: allocated slots ...
     kv_bytes_used: int | None = None  # ... and filled ones (context kept + question + answer)
+    finish_reason: str | None = None  # stop (EOS), length (the limit), sentence (the limit, cut to a sentence)
+    decode_batch: float | None = None  # mean rows per decode step over the steps of decode_s
 
     @property
     def reference_tokens(self) -> list[int]:
@@ -52,19 +54,22 @@ def last_sentence_end(text: str) -> str:
     return text[: ends[-1].end()] if ends else text
 
 
-def answer_text(tokenizer, tokens: list[int], cut: bool, end_at_sentence: bool = False) -> str:
-    """The answer's text. An answer ``cut`` by its token limit may end inside a multi-byte character
-    (byte-level tokenizers): the incomplete character's tokens (at most 3) are left out rather than
-    decoded to U+FFFD; with ``end_at_sentence`` a cut answer ends at its last complete sentence."""
+def answer_text(tokenizer, tokens: list[int], cut: bool, end_at_sentence: bool = False) -> tuple[str, str]:
+    """The answer's text and why it ended (the output's ``finish_reason``): ``stop`` (not ``cut``:
+    EOS), ``length`` (``cut`` by its token limit) or ``sentence`` (cut, then, with ``end_at_sentence``,
+    ended at its last complete sentence; a cut answer without one stays ``length``, a fragment).
+    A cut answer may end inside a multi-byte character (byte-level tokenizers): the incomplete
+    character's tokens (at most 3) are left out rather than decoded to U+FFFD."""
     text = tokenizer.decode(tokens, skip_special_tokens=True)
-    if cut:
-        for drop in range(1, min(3, len(tokens)) + 1):
-            if not text.endswith("\ufffd"):
-                break
-            text = tokenizer.decode(tokens[:-drop], skip_special_tokens=True)
-        if end_at_sentence:
-            text = last_sentence_end(text)
-    return text
+    if not cut:
+        return text, "stop"
+    for drop in range(1, min(3, len(tokens)) + 1):
+        if not text.endswith("\ufffd"):
+            break
+        text = tokenizer.decode(tokens[:-drop], skip_special_tokens=True)
+    if end_at_sentence and _SENTENCE_END.search(text):
+        return last_sentence_end(text), "sentence"
+    return text, "length"
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -184,12 +189,15 @@ class Decoder:
         q_s = now(self.device) - t0
         mark = cache.checkpoint() if fidelity else None
         t1 = now(self.device)
-        tokens, stops, steps = self._greedy(cache, logits, (ctx_len + q_len).to(self.device), limits)
+        tokens, stops, steps, row_steps = self._greedy(cache, logits, (ctx_len + q_len).to(self.device), limits)
         decode_s = now(self.device) - t1
         reserved, used = cache.bytes_per_row().tolist(), cache.used_bytes_per_row().tolist()
+        texts = [self._text(tokens[b], stops[b]) for b in range(len(rows))]
         results = [
             RoundResult(
-                text=self._text(tokens[b], stops[b]),
+                text=texts[b][0],
+                finish_reason=texts[b][1],
+                decode_batch=row_steps / steps if steps else None,
                 generated_tokens=len(tokens[b]) + (1 if len(tokens[b]) < limits[b] else 0),
                 question_tokens=int(q_len[b]),
                 question_s=q_s,
@@ -204,22 +212,23 @@ class Decoder:
         ]
         return results, logits, mark
 
-    def _text(self, tokens: list[int], stop_id: int | None) -> str:
+    def _text(self, tokens: list[int], stop_id: int | None) -> tuple[str, str]:
         return answer_text(self.tokenizer, tokens, cut=stop_id is None, end_at_sentence=self.end_at_sentence)
 
     def _greedy(
         self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor, limits: list[int]
-    ) -> tuple[list[list[int]], list[int | None], int]:
-        """Greedy tokens per row (EOS excluded), the EOS id that ended each row (None: its limit) and
-        the number of decode forwards. Once half the rows of the batch have ended they leave it
-        (:func:`~pipeline.kv.rows.park_rows`), so later steps decode the active rows only; they are
-        put back, in order, when every row has ended (not under a decode-time cap, which evicts per row)."""
+    ) -> tuple[list[list[int]], list[int | None], int, int]:
+        """Greedy tokens per row (EOS excluded), the EOS id that ended each row (None: its limit), the
+        number of decode forwards and the rows they decoded, summed. Once half the rows of the batch
+        have ended they leave it (:func:`~pipeline.kv.rows.park_rows`), so later steps decode the
+        active rows only; they are put back, in order, when every row has ended (not under a
+        decode-time cap, which evicts per row)."""
         bsz = logits.shape[0]
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         stops: list[int | None] = [None] * bsz
         done = [False] * bsz
         rows, parked, parked_rows = list(range(bsz)), [], []  # rows[j]: the batch row cache row j holds
-        steps = 0
+        steps = row_steps = 0
         while True:
             choice = logits.argmax(-1).tolist()
             for j, b in enumerate(rows):
@@ -239,7 +248,7 @@ class Decoder:
             step_ids = torch.tensor(choice, dtype=torch.long, device=self.device)[:, None]
             logits = self.forward(cache, step_ids, next_pos[:, None])
             next_pos = next_pos + 1
-            steps += 1
+            steps, row_steps = steps + 1, row_steps + len(rows)
         if parked:
             unpark_rows(cache, rows, parked, parked_rows)
-        return tokens, stops, steps
+        return tokens, stops, steps, row_steps

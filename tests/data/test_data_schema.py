@@ -28,10 +28,12 @@ EXPECTED = {
     "budget": pa.int64(),
     "prediction": pa.string(),
     "reference": pa.list_(pa.string()),
+    "input_hash": pa.string(),
     "score": pa.float64(),
     "context_tokens": pa.int64(),
     "question_tokens": pa.int64(),
     "generated_tokens": pa.int64(),
+    "finish_reason": pa.string(),
     "truncated_tokens": pa.int64(),
     "kv_entries_full": pa.int64(),
     "kv_entries_kept": pa.int64(),
@@ -43,6 +45,7 @@ EXPECTED = {
     "compress_s": pa.float64(),
     "decode_s": pa.float64(),
     "decode_ms_per_token": pa.float64(),
+    "decode_batch": pa.float64(),
     "peak_memory_bytes": pa.int64(),
     "device": pa.string(),
     "answer_nll": pa.float64(),
@@ -52,11 +55,11 @@ EXPECTED = {
 
 
 def test_schema_has_exactly_the_contract_columns_and_version():
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
     assert list(OUTPUT_COLUMNS) == list(EXPECTED)
     for name, dtype in EXPECTED.items():
         assert OUTPUT_SCHEMA.field(name).type.equals(dtype), name
-    assert schema_version(OUTPUT_SCHEMA) == 3
+    assert schema_version(OUTPUT_SCHEMA) == 4
     for name in ("budget", "reference", "score", "prediction", "error"):
         assert OUTPUT_SCHEMA.field(name).nullable
 

@@ -19,6 +19,7 @@ from pipeline.data import (
     OUTPUT_SCHEMA,
     SCHEMA_VERSION,
     check_output_table,
+    question_hashes,
     rows_to_table,
     write_documents,
 )
@@ -70,6 +71,10 @@ def test_every_question_exactly_once_with_schema_types(first_run):
         assert r["score"] is None and r["prediction"] is not None and r["context_tokens"] > 0
         assert 0 < r["kv_bytes_kept"] < r["kv_bytes_full"] and r["ttft_s"] > 0 and r["device"].startswith("cpu")
         assert 1 <= r["generated_tokens"] <= 3
+        assert r["finish_reason"] == ("length" if r["generated_tokens"] == 3 else "stop")
+        assert r["decode_batch"] is None or 1.0 <= r["decode_batch"] <= config.batch_size
+    hashes = {(d["doc_id"], q): h for d in docs for q, h in question_hashes(d).items()}
+    assert all(r["input_hash"] == hashes[(r["doc_id"], r["question_id"])] for r in rows)
     assert result.missing_rows == 0 and result.duplicates_removed == 0
     assert result.summary.rows_ok == len(rows) and result.summary.kept_fraction_mean < 0.75
     assert len(committed_files(result.data_dir)) >= 2  # committed file by file, not at the end
@@ -93,6 +98,21 @@ def test_rerun_of_a_finished_job_adds_nothing(first_run):
     assert again.docs_skipped == len(docs) and again.docs_scheduled == 0 and again.rows_written == 0
     assert again.extra["ray"] == {}  # nothing to do: Ray is not even asked
     _assert_exactly_once(_read(result.data_dir), docs)
+
+
+def test_rerun_with_changed_content_under_the_same_ids_warns(local_ray, tmp_path, capsys):
+    """It used to write 0 rows and exit 0 silently, keeping the answers to the old content."""
+    docs = small_docs(3, seed=9)
+    config = tiny_config(tmp_path / "out", input=str(write_documents(docs, tmp_path / "in.jsonl")))
+    run_job(config, echo=False)
+    docs[1]["context"] = "An entirely different report. " * 20
+    write_documents(docs, tmp_path / "in.jsonl")
+    again = run_job(config, echo=True)
+    assert again.rows_written == 0 and again.docs_changed == 1
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING")]
+    assert len(warning) == 1 and "1 documents differ" in warning[0] and docs[1]["doc_id"] in warning[0]
+    manifest = json.loads(again.manifest_path.read_text())
+    assert [r["rows"]["docs_changed"] for r in manifest["runs"]] == [0, 1]
 
 
 def test_rerun_with_another_method_is_refused(first_run):

@@ -7,7 +7,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data import SCHEMA_VERSION, rows_to_table
+from pipeline.data import SCHEMA_VERSION, question_hashes, rows_to_table
 from pipeline.distributed import sink
 from pipeline.distributed.summary import format_summary, summarize
 
@@ -99,6 +99,16 @@ def test_summary_counts_each_cache_once():
         assert label in text
 
 
+def test_summary_occupancy_weights_each_row_by_its_generated_tokens():
+    table = _rows(("a", "0"), ("b", "0"))  # 3 tokens each
+    rows = table.to_pylist()
+    rows[0]["decode_batch"], rows[1]["decode_batch"], rows[1]["generated_tokens"] = 4.0, 1.0, 9
+    s = summarize(rows_to_table(rows), wall_s=1.0)
+    assert s.decode_batch_mean == pytest.approx((4.0 * 3 + 1.0 * 9) / 12)
+    assert "rows decoded together per step (mean)" in format_summary(s)
+    assert summarize(table, wall_s=1.0).decode_batch_mean is None  # no decode steps recorded
+
+
 def test_summary_of_failed_and_empty_runs():
     s = summarize(_rows(("a", "0"), error="boom"), wall_s=1.0)
     assert (s.rows_ok, s.rows_failed) == (0, 1) and s.ttft_mean_s is None and s.kept_fraction_mean is None
@@ -134,6 +144,23 @@ def test_commit_all_closes_the_stream_before_a_commit_error_propagates(tmp_path,
         committer.commit_all(stream())
     assert failure.value is not None and closed == [True]  # closed while the error's traceback lives
     assert [pq.read_metadata(f).num_rows for f in sink.committed_files(tmp_path)] == [1]
+
+
+def test_changed_inputs_names_documents_whose_rows_came_from_other_content():
+    import pyarrow as pa
+
+    doc = {"doc_id": "a", "context": "ctx", "questions": ["q0", "q1"], "question_ids": ["0", "1"]}
+    doc |= {"answer_prefix": None, "max_new_tokens": None}
+    digest = question_hashes(doc)
+    committed = sink.Committed({"a": {"0", "1"}}, {"a": {"0", "1"}}, 2, {"a": set(digest.values())})
+    same, other_context = dict(doc), dict(doc, context="new")
+    other_question, other_limit = dict(doc, questions=["q0", "Q1"]), dict(doc, max_new_tokens=5)
+    assert sink.changed_inputs(pa.Table.from_pylist([same]), committed) == []
+    for changed in (other_context, other_question, other_limit):
+        assert sink.changed_inputs(pa.Table.from_pylist([changed]), committed) == ["a"]
+    new_doc = dict(doc, doc_id="b", context="new")  # nothing committed for it: nothing to compare
+    assert sink.changed_inputs(pa.Table.from_pylist([new_doc]), committed) == []
+    assert question_hashes(dict(doc, question_ids=["0", "0"]))["0"] == digest["0"]  # first question of an id
 
 
 def test_commit_all_commits_every_table_and_the_remainder(tmp_path):

@@ -55,7 +55,8 @@ def test_engine_equals_plain_generate(arch):
     if not cut:
         new = new[: new.index(257)]
     # a cut answer leaves out a trailing incomplete UTF-8 character (random models emit any byte)
-    assert answer.prediction == answer_text(engine.tokenizer, new, cut=cut)
+    assert (answer.prediction, answer.finish_reason) == answer_text(engine.tokenizer, new, cut=cut)
+    assert answer.decode_batch == (1.0 if answer.generated_tokens > 1 else None)  # one row: alone at every step
     assert answer.generated_tokens == len(new) + (0 if cut else 1)
     assert answer.error is None
     assert answer.context_tokens == len(prompt.context_ids)

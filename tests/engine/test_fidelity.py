@@ -37,7 +37,7 @@ def test_full_cache_nll_equals_a_plain_forward():
     ids = torch.tensor([prompt.context_ids + prompt.question_ids[0]], device=DEVICE)
     answer = _greedy_reference(plain, ids[0].tolist(), 6)
     tokens = [t for t in answer if t != 257]
-    assert answer_text(engine.tokenizer, tokens, cut=257 not in answer) == full.prediction
+    assert answer_text(engine.tokenizer, tokens, cut=257 not in answer)[0] == full.prediction
     ids = torch.tensor([ids[0].tolist() + answer], device=DEVICE)
     with torch.inference_mode():
         logits = plain(input_ids=ids).logits[0].float()
