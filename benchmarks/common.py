@@ -6,22 +6,18 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.data.synthetic import sample_qa_documents  # noqa: E402
-from pipeline.engine.config import ModelConfig  # noqa: E402
-from pipeline.engine.loading import load_model  # noqa: E402
-from pipeline.kv.attention import register  # noqa: E402
-from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
-from pipeline.kv.compress import Compressor  # noqa: E402
-from pipeline.kv.config import CompressionConfig  # noqa: E402
-from pipeline.kv.rope import model_rotary  # noqa: E402
+from pipeline.data.synthetic import sample_qa_documents
+from pipeline.engine.config import ModelConfig
+from pipeline.engine.loading import load_model
+from pipeline.kv.attention import register
+from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.compress import Compressor
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.rope import model_rotary
 
 
 def machine() -> str:

@@ -22,20 +22,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import torch
+from transformers import StaticCache
+
+from pipeline.engine.config import ModelConfig
+from pipeline.engine.loading import load_model
+from roofline import RESULTS_DIR, header, table, write_report
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import torch  # noqa: E402
-from roofline import RESULTS_DIR, header, table, write_report  # noqa: E402
-from transformers import StaticCache  # noqa: E402
-
-from pipeline.engine.config import ModelConfig  # noqa: E402
-from pipeline.engine.loading import load_model  # noqa: E402
 
 
 def timed_steps(step, start: int, steps: int, device) -> list[float]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 
 from common import context_ids, decode_ms_per_token, load_smollm2, machine, median, prefill
-
 from pipeline.kv.config import CompressionConfig
 
 PREFILL_METHODS = {

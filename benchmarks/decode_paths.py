@@ -26,17 +26,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+import torch
 
-import torch  # noqa: E402
-from common import context_ids, load_smollm2  # noqa: E402
-from roofline import (  # noqa: E402
+from common import context_ids, load_smollm2
+from pipeline.engine.loading import apply_weight_layout
+from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.compress import Compressor
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.rope import model_rotary
+from pipeline.kv.varlen_kernels import DENSE_ENV, RAGGED_ENV
+from roofline import (
     RESULTS_DIR,
     decode_bound_s,
     header,
@@ -47,12 +49,7 @@ from roofline import (  # noqa: E402
     write_report,
 )
 
-from pipeline.engine.loading import apply_weight_layout  # noqa: E402
-from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
-from pipeline.kv.compress import Compressor  # noqa: E402
-from pipeline.kv.config import CompressionConfig  # noqa: E402
-from pipeline.kv.rope import model_rotary  # noqa: E402
-from pipeline.kv.varlen_kernels import DENSE_ENV, RAGGED_ENV  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 # weight layout, dense decode kernel, ragged decode kernel ("" = the library's choice)
 PATHS = {"previous": ("row", "sdpa", "blocked"), "current": ("auto", "", "")}

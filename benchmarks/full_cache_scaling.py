@@ -25,12 +25,9 @@ import argparse
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+import torch
 
-import torch  # noqa: E402
-from roofline import (  # noqa: E402
+from roofline import (
     RESULTS_DIR,
     PeakRSS,
     decode_bound_s,
@@ -43,6 +40,8 @@ from roofline import (  # noqa: E402
     parse_ints,
     table,
 )
+
+HERE = Path(__file__).resolve().parent
 
 COMPRESSED = "criticalkv-adakv-snapkv"
 

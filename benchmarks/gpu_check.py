@@ -44,15 +44,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_check_report import markdown  # noqa: E402
-
-from pipeline.kv.attention import register  # noqa: E402
-from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
-from pipeline.kv.compress import Compressor  # noqa: E402
-from pipeline.kv.config import CompressionConfig  # noqa: E402
+from gpu_check_report import markdown
+from pipeline.kv.attention import register
+from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.compress import Compressor
+from pipeline.kv.config import CompressionConfig
 
 LLAMA_31_8B = dict(
     hidden_size=4096,

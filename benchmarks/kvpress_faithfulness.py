@@ -5,15 +5,11 @@ effective AdaKV+CriticalKV rule, agreement statistics, score gaps at the differe
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+import torch
 
-import torch  # noqa: E402
-from kvpress_common import (  # noqa: E402
+from kvpress_common import (
     KVPRESS_NAMES,
     MATCHED,
     METHODS_HEADWISE,
@@ -23,9 +19,11 @@ from kvpress_common import (  # noqa: E402
     load_model_dtype,
     press_spec,
 )
-from roofline import (  # noqa: E402
+from roofline import (
     table,
 )
+
+HERE = Path(__file__).resolve().parent
 
 
 def kvpress_n_kept(n: int, cache_size: float) -> int:

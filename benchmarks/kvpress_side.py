@@ -55,6 +55,7 @@ transformers.utils.logging.set_verbosity_error()
 import kvpress  # noqa: E402
 from kvpress import KVPressTextGenerationPipeline  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
+
 from kvpress_side_tools import (  # noqa: E402
     HEADWISE,
     base_press,

@@ -29,25 +29,21 @@ wide, 9 query heads of 64) the passes' attention is as large as their matmuls an
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from functools import partial
 from pathlib import Path
 
+from common import context_ids
+from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.loading import load_model
+from pipeline.engine.types import Request
+from pipeline.eval.sweep import parse_variant
+from pipeline.kv.config import CompressionConfig
+from pipeline.options import split_top_level
+from roofline import PeakRSS, header, median, parse_ints, table
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-from common import context_ids  # noqa: E402
-from roofline import PeakRSS, header, median, parse_ints, table  # noqa: E402
-
-from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
-from pipeline.engine.engine import Engine  # noqa: E402
-from pipeline.engine.loading import load_model  # noqa: E402
-from pipeline.engine.types import Request  # noqa: E402
-from pipeline.eval.sweep import parse_variant  # noqa: E402
-from pipeline.kv.config import CompressionConfig  # noqa: E402
-from pipeline.options import split_top_level  # noqa: E402
 
 DEFAULT_METHODS = (
     "none,snapkv,criticalkv-snapkv,adakv-snapkv,layer-snapkv,knorm,defensivekv,criticalkv-adakv-defensivekv,"

@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.data import read_documents, sample_qa_documents, write_documents  # noqa: E402
-from pipeline.distributed.config import JobConfig  # noqa: E402
-from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
-from pipeline.kv.config import CompressionConfig  # noqa: E402
+from pipeline.data import read_documents, sample_qa_documents, write_documents
+from pipeline.distributed.config import JobConfig
+from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.kv.config import CompressionConfig
 
 
 def plain_loop(config: JobConfig, docs_path: Path) -> tuple[float, int]:

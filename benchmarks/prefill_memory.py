@@ -38,13 +38,10 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.options import split_top_level
+from roofline import header, parse_ints, table
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from roofline import header, parse_ints, table  # noqa: E402
-
-sys.path.insert(0, str(HERE.parent))
-from pipeline.options import split_top_level  # noqa: E402
 
 QUESTION = "What is the special magic number mentioned in the text?"
 

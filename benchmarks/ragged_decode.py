@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import torch
+
+from common import context_ids, load_smollm2, prefill
+from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.varlen_kernels import KernelChoice
+from roofline import RESULTS_DIR, header, parse_ints, table, write_report
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import torch  # noqa: E402
-from common import context_ids, load_smollm2, prefill  # noqa: E402
-from roofline import RESULTS_DIR, header, parse_ints, table, write_report  # noqa: E402
-
-from pipeline.kv.cache import VarLenCache, run_chunk  # noqa: E402
-from pipeline.kv.config import CompressionConfig  # noqa: E402
-from pipeline.kv.varlen_kernels import KernelChoice  # noqa: E402
 
 RAGGED, UNIFORM = "criticalkv-adakv-snapkv", "snapkv"
 

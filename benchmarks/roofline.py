@@ -40,8 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.engine.memory import proc_status_bytes  # noqa: E402
+from pipeline.engine.memory import proc_status_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"

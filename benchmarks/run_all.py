@@ -32,10 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from roofline import RESULTS_DIR, header
 
-from roofline import RESULTS_DIR, header  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 FULL = {
     "roofline": {},

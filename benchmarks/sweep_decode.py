@@ -12,22 +12,18 @@ of every group size are compared with those of the first.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
+from common import context_ids
+from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.loading import load_model
+from pipeline.engine.types import Request
+from pipeline.kv.config import CompressionConfig
+from roofline import header, median, parse_ints, table
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-from common import context_ids  # noqa: E402
-from roofline import header, median, parse_ints, table  # noqa: E402
-
-from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
-from pipeline.engine.engine import Engine  # noqa: E402
-from pipeline.engine.loading import load_model  # noqa: E402
-from pipeline.engine.types import Request  # noqa: E402
-from pipeline.kv.config import CompressionConfig  # noqa: E402
 
 DEFAULT_METHODS = "snapkv,adakv-snapkv,criticalkv-snapkv,criticalkv-adakv-snapkv,layer-knorm,streamingllm"
 

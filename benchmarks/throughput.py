@@ -25,25 +25,22 @@ Sides run one after another in one process; only ratios from one run are claims.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from common import context_ids
+from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.continuous import ContinuousBatch
+from pipeline.engine.engine import Engine
+from pipeline.engine.loading import load_model
+from pipeline.engine.types import Request
+from pipeline.kv.attention import register
+from pipeline.kv.config import CompressionConfig
+from roofline import header, table, write_report
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from common import context_ids  # noqa: E402
-from roofline import header, table, write_report  # noqa: E402
-
-from pipeline.engine.config import GenerationConfig, ModelConfig  # noqa: E402
-from pipeline.engine.continuous import ContinuousBatch  # noqa: E402
-from pipeline.engine.engine import Engine  # noqa: E402
-from pipeline.engine.loading import load_model  # noqa: E402
-from pipeline.engine.types import Request  # noqa: E402
-from pipeline.kv.attention import register  # noqa: E402
-from pipeline.kv.config import CompressionConfig  # noqa: E402
 
 INSTRUCTION = "Summarize the document in a few sentences."
 

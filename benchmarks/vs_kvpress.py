@@ -39,20 +39,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+import torch
 
-import torch  # noqa: E402
-from kvpress_common import KvpressSide, Report, dir_size, ensure_kvpress_venv  # noqa: E402
-from kvpress_faithfulness import section_faithfulness  # noqa: E402
-from kvpress_limits import section_batch, section_limits  # noqa: E402
-from kvpress_time import section_memory, section_time  # noqa: E402
-from roofline import RESULTS_DIR, header, measure_limits, model_shape, parse_ints  # noqa: E402
+from kvpress_common import KvpressSide, Report, dir_size, ensure_kvpress_venv
+from kvpress_faithfulness import section_faithfulness
+from kvpress_limits import section_batch, section_limits
+from kvpress_time import section_memory, section_time
+from roofline import RESULTS_DIR, header, measure_limits, model_shape, parse_ints
+
+HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,7 +92,6 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from common import load_smollm2
-
     from pipeline.engine.config import ModelConfig
     from pipeline.engine.loading import resolve_model_path
 

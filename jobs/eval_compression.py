@@ -6,12 +6,7 @@
 All options: --help. The work is done by pipeline.eval.sweep_job (this file only starts it).
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain checkout (ray job submit --working-dir .)
-
-from pipeline.apps.eval_sweep import main  # noqa: E402
+from pipeline.apps.eval_sweep import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

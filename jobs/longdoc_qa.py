@@ -8,12 +8,7 @@ Rerunning into the same --output resumes: only documents without committed rows 
 All options: --help. The work is done by pipeline.distributed (this file only starts it).
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain checkout (ray job submit --working-dir .)
-
-from pipeline.apps.batch_jobs import main  # noqa: E402
+from pipeline.apps.batch_jobs import main
 
 if __name__ == "__main__":
     raise SystemExit(main("longdoc_qa"))

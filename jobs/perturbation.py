@@ -5,12 +5,7 @@
 All options: --help. The work is done by pipeline.apps.perturbation (this file only starts it).
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
-
-from pipeline.apps.perturbation import main  # noqa: E402
+from pipeline.apps.perturbation import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -151,3 +151,41 @@ def test_modules_and_functions_are_small():
 def test_code_refers_to_no_file_outside_the_repository():
     mentions = [f"{p.relative_to(ROOT)}" for p in sorted(PACKAGE.rglob("*.py")) if "DESIGN.md" in p.read_text()]
     assert not mentions, f"DESIGN.md is not in the repository; see docs/ARCHITECTURE.md: {mentions}"
+
+
+def _sys_path_edits(path: Path) -> list[int]:
+    """Lines of ``path`` that change ``sys.path`` (an assignment, a slice, or a mutating call)."""
+    edits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value  # sys.path.insert(...), .append, .extend, .remove
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            target = next((t.value if isinstance(t, ast.Subscript) else t for t in targets), None)
+        if isinstance(target, ast.Attribute) and target.attr == "path":
+            if isinstance(target.value, ast.Name) and target.value.id == "sys":
+                edits.append(node.lineno)
+    return sorted(edits)
+
+
+def test_no_file_edits_sys_path():
+    """Entry points import the installed package (``make setup`` installs it; ``ray job submit
+    --working-dir .`` puts the directory on PYTHONPATH), the tests find the benchmark modules through
+    pytest's ``pythonpath``: no script patches the import path."""
+    files = [p for p in ROOT.rglob("*.py") if not {".venv", "outputs", ".git"} & set(p.relative_to(ROOT).parts)]
+    edits = {str(p.relative_to(ROOT)): lines for p in sorted(files) if (lines := _sys_path_edits(p))}
+    assert not edits, f"sys.path edited in {edits}"
+    assert _sys_path_edits_example() == [2, 3, 4]
+
+
+def _sys_path_edits_example() -> list[int]:
+    """The detector on a sample (so the test cannot pass by detecting nothing)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
+        fh.write("import sys\nsys.path.insert(0, 'x')\nsys.path[:] = []\nsys.path += ['y']\nos.path.join('a')\n")
+    try:
+        return _sys_path_edits(Path(fh.name))
+    finally:
+        Path(fh.name).unlink()

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-for path in (REPO, REPO / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import kvpress_common  # noqa: E402
-import kvpress_faithfulness  # noqa: E402
-import kvpress_ours  # noqa: E402
-import roofline  # noqa: E402
-import vs_kvpress  # noqa: E402
-from full_cache_scaling import configs, measure_length  # noqa: E402
-from run_all import has_flag  # noqa: E402
-
-from pipeline.kv.attention import register  # noqa: E402
-from tests.tiny import tiny_loaded, tiny_model  # noqa: E402
+# the benchmark modules import by name: pytest puts benchmarks/ on the path (pyproject: pythonpath)
+import kvpress_common
+import kvpress_faithfulness
+import kvpress_ours
+import roofline
+import vs_kvpress
+from full_cache_scaling import configs, measure_length
+from pipeline.kv.attention import register
+from run_all import has_flag
+from tests.tiny import tiny_loaded, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +135,6 @@ def test_run_all_flag_filter():
 
 def test_method_costs_measure_on_tiny_model():
     import method_costs
-
     from pipeline.engine.config import GenerationConfig
     from pipeline.engine.engine import Engine
     from pipeline.kv.config import CompressionConfig
@@ -194,7 +185,6 @@ def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
 
 def test_ragged_decode_interleaves_both_kernels_on_one_cache(tiny, monkeypatch):
     import ragged_decode
-
     from pipeline.kv.varlen_kernels import RAGGED_ENV
 
     monkeypatch.setenv(RAGGED_ENV, "")
@@ -207,7 +197,6 @@ def test_ragged_decode_interleaves_both_kernels_on_one_cache(tiny, monkeypatch):
 @pytest.mark.parametrize("side", ["ours", "transformers"])
 def test_prefill_memory_samples_a_peak_inside_the_model(side):
     import prefill_memory
-
     from pipeline.engine.config import GenerationConfig, ModelConfig
     from pipeline.kv.config import CompressionConfig
     from tests.distributed.helpers import tiny_engine

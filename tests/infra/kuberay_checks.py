@@ -329,7 +329,6 @@ def parse_job_args(script: Path, args: list[str]) -> tuple[argparse.Namespace | 
         raise _Parsed(original(self, args, namespace))
 
     err, out = io.StringIO(), io.StringIO()
-    saved_path = list(sys.path)
     try:
         with (
             mock.patch.object(argparse.ArgumentParser, "parse_args", intercept),
@@ -342,8 +341,6 @@ def parse_job_args(script: Path, args: list[str]) -> tuple[argparse.Namespace | 
         return parsed.namespace, ""
     except SystemExit as exc:
         return None, f"exit {exc.code}: {err.getvalue().strip() or out.getvalue().strip()}"
-    finally:
-        sys.path[:] = saved_path
     return None, "the script never parsed its arguments"
 
 

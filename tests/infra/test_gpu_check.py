@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check  # benchmarks/ is on the test path (pyproject: pythonpath)
 
-import gpu_check  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
