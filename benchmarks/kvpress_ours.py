@@ -15,7 +15,7 @@ def make_engine(loaded, method: str, cache_size: float, new_tokens: int, batch_s
     from pipeline.engine.engine import Engine
 
     cfg = matched_config(method, cache_size=cache_size)
-    engine = Engine(loaded, cfg, GenerationConfig(max_new_tokens=new_tokens, batch_size=batch_size))
+    engine = Engine(loaded, cfg, GenerationConfig(max_new_tokens=new_tokens, batch_size=batch_size, continuous=False))
     engine.eos_ids = set()  # benchmark: decode exactly new_tokens tokens, like the kvpress side
     return engine
 

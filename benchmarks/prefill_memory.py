@@ -147,7 +147,7 @@ def worker(args) -> None:
     engine = Engine.from_config(
         ModelConfig(name=args.model),
         CompressionConfig.model_validate({"method": method, "cache_size": args.cache_size, **overrides}),
-        GenerationConfig(max_new_tokens=args.new_tokens),
+        GenerationConfig(max_new_tokens=args.new_tokens, continuous=False),  # the path of the recorded figures
     )
     result = measure(engine, "transformers" if args.side == "transformers" else "ours", args.length, args.new_tokens)
     print("RESULT " + json.dumps({**result, "side": args.side}), flush=True)

@@ -127,7 +127,7 @@ def main() -> None:
     continuous = GenerationConfig(
         max_new_tokens=args.new_tokens, batch_size=args.docs, kv_memory=budget / 2**20, end_at_sentence=False
     )
-    batched = GenerationConfig(max_new_tokens=args.new_tokens, batch_size=args.full_caches)
+    batched = GenerationConfig(max_new_tokens=args.new_tokens, batch_size=args.full_caches, continuous=False)
     sides = [("transformers DynamicCache, batch " + str(args.full_caches), None)]
     sides.append((f"ours none, batch path ({args.full_caches} prefilled together)", ("none", 1.0, batched)))
     sides.append(("ours none, continuous", ("none", 1.0, continuous)))

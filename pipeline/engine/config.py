@@ -60,20 +60,32 @@ class GenerationConfig(_Strict):
     """Generation (greedy decoding, stopping at EOS or after max_new_tokens)."""
 
     max_new_tokens: int = Field(64, ge=1, le=8192, description="generated tokens per answer at most")
-    batch_size: int = Field(1, ge=1, description="documents prefilled together (left padded), per actor call")
+    batch_size: int = Field(
+        1,
+        ge=1,
+        description="documents per actor call: decoded as one continuous batch (--no-continuous: prefilled "
+        "together, left padded)",
+    )
     settings_per_decode: int = Field(
         8,
         ge=1,
         description="sweeps: compressed settings of one batch decoded together as one batch "
         "(1: each alone, with its own decode times)",
     )
+    continuous: bool = Field(
+        True,
+        description="the documents of an actor call are prefilled one by one and decoded together while their "
+        "caches fit --kv-memory, rows leaving as their answers end and waiting documents joining as memory frees; "
+        "off: prefilled together and decoded until the longest answer ends (sweeps and --max-cache-tokens always are)",
+    )
     kv_memory: float | None = Field(
         None,
         gt=0,
-        description="MiB of KV cache per actor for a continuous decode batch: the documents of an actor call "
-        "(--batch-size of them) are prefilled one by one and decoded together while their caches fit, rows "
-        "leaving as their answers end and waiting documents joining as memory frees; none: the call's "
-        "documents are prefilled together and decoded until the longest answer ends (sweeps always are)",
+        description="MiB of KV cache per actor for the continuous batch",
+        json_schema_extra={
+            "shown_default": "70 % of the GPU memory free once the model is loaded; on CPU 25 % of the RAM "
+            "available then"
+        },
     )
     end_at_sentence: bool = Field(
         False, description="an answer cut by max_new_tokens ends at its last complete sentence (summaries)"

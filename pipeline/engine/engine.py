@@ -21,6 +21,7 @@ figures): ``ttft_s`` = context prefill (with compression) + that question's pref
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable
 
 import torch
@@ -38,12 +39,14 @@ from .continuous import ContinuousBatch
 from .decoding import Decoder
 from .kvzap_file import load_kvzap, resolve_kvzap
 from .loading import LoadedModel, load_model
-from .memory import PeakMemory, device_label, now
+from .memory import PeakMemory, default_kv_budget, device_label, now
 from .priors import load_head_priors, resolve_head_priors
 from .prompts import PromptBuilder
 from .reconstruction import ContextReconstruction
 from .sweep import SweepBatch
 from .types import Answer, Request, Setting
+
+logger = logging.getLogger(__name__)
 
 BatchRunner = Callable[[list[Row]], list[Answer]]
 
@@ -76,6 +79,7 @@ class Engine:
         self.generation = generation or GenerationConfig()
         self.max_context_tokens = max_context_tokens or getattr(cfg, "max_position_embeddings", None)
         self.last_continuous: ContinuousBatch | None = None
+        self._kv_budget: int | None = None  # kv_budget_bytes, once decided
         self._kvzap_cache: dict = {}  # file -> KVzapModel: one load per file for every setting
         self.compressor = self.make_compressor(self.compression)
         self.oom_retry: tuple[float, Compressor] | None = None
@@ -124,17 +128,28 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def generate(self, requests: list[Request]) -> list[Answer]:
         """Answer every question of every request; a failing request yields answers with ``error``
-        set and never affects the others. Answers follow the input order. With ``kv_memory`` the
-        requests' rows go through one continuous decode batch (:mod:`pipeline.engine.continuous`)."""
+        set and never affects the others. Answers follow the input order. With ``continuous`` (the
+        default) the requests' rows go through one continuous decode batch (:mod:`pipeline.engine.continuous`)."""
         if self.continuous:
             return self._generate(requests, 1, self._run_continuous, whole=True)[0]
         return self._generate(requests, 1, lambda rows: self._run_batch(rows, self.compressor))[0]
 
     @property
     def continuous(self) -> bool:
-        """Whether :meth:`generate` decodes through a continuous batch (``kv_memory`` set, and no
+        """Whether :meth:`generate` decodes through a continuous batch (``continuous`` on, and no
         decode-time cap, whose per-row eviction keeps each batch's rows together)."""
-        return self.generation.kv_memory is not None and self.compression.max_cache_tokens is None
+        return self.generation.continuous and self.compression.max_cache_tokens is None
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The continuous batch's KV memory: ``kv_memory`` MiB, else :func:`default_kv_budget`,
+        decided once (the first time, after the model is loaded) and logged."""
+        if self.generation.kv_memory is not None:
+            return int(self.generation.kv_memory * 2**20)
+        if self._kv_budget is None:
+            self._kv_budget = default_kv_budget(self.device)
+            logger.info("continuous decode batch: up to %.0f MiB of KV cache (default)", self._kv_budget / 2**20)
+        return self._kv_budget
 
     def generate_sweep(self, requests: list[Request], compressions: list[CompressionConfig]) -> list[list[Answer]]:
         """Answers for several compression settings from ONE prefill per batch.
@@ -269,8 +284,7 @@ class Engine:
 
     def _run_continuous(self, rows: list[Row]) -> list[Answer]:
         """Every row through one continuous decode batch; a row it could not answer runs alone."""
-        budget = int(self.generation.kv_memory * 2**20)
-        batch = ContinuousBatch(self, self.compressor, budget)
+        batch = ContinuousBatch(self, self.compressor, self.kv_budget_bytes)
         results = batch.run(rows)
         self.last_continuous = batch  # its occupancy and memory figures, for callers that report them
         answers = []

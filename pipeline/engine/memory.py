@@ -11,7 +11,10 @@ from __future__ import annotations
 import resource
 import time
 
+import psutil
 import torch
+
+GPU_KV_SHARE, CPU_KV_SHARE = 0.7, 0.25  # of the free GPU memory / available RAM (default_kv_budget)
 
 
 class PeakMemory:
@@ -51,6 +54,16 @@ def proc_status_bytes(key: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Bytes of KV cache a continuous decode batch may hold when ``kv_memory`` is not given: 70 % of the
+    GPU memory free now (call it once the model is loaded; the rest is left for one document's prefill
+    activations), on CPU 25 % of the RAM the system reports available now."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(GPU_KV_SHARE * free)
+    return int(CPU_KV_SHARE * psutil.virtual_memory().available)
 
 
 def now(device: torch.device) -> float:

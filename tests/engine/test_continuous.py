@@ -37,7 +37,9 @@ def _requests():
     ]
 
 
-def _engine(method, kv_memory=None, batch_size=1, tmp=None, arch="llama", **kw):
+def _engine(method, kv_memory=None, batch_size=1, tmp=None, arch="llama", continuous=True, **kw):
+    """The engine under test; ``continuous=False`` (the batch path, one document per call) makes the
+    independent reference of "each document alone"."""
     loaded = tiny_loaded(arch)
     extra = {}
     if CompressionConfig(method=method).needs_kvzap_model:
@@ -45,7 +47,7 @@ def _engine(method, kv_memory=None, batch_size=1, tmp=None, arch="llama", **kw):
     if CompressionConfig(method=method).needs_head_priors:
         extra["head_priors"] = _priors(tmp)
     comp = CompressionConfig(method=method, cache_size=0.4, window=4, kernel=3, **extra, **kw)
-    generation = GenerationConfig(max_new_tokens=10, batch_size=batch_size, kv_memory=kv_memory)
+    generation = GenerationConfig(max_new_tokens=10, batch_size=batch_size, kv_memory=kv_memory, continuous=continuous)
     return Engine(loaded, comp, generation)
 
 
@@ -72,7 +74,7 @@ def _budget_for(engine, requests, rows_at_once):
 @pytest.mark.parametrize("method", METHODS)
 def test_continuous_answers_equal_each_document_alone(method, tmp_path):
     requests = _requests()
-    alone = _engine(method, tmp=tmp_path).generate(requests)
+    alone = _engine(method, tmp=tmp_path, continuous=False).generate(requests)
     engine = _engine(method, tmp=tmp_path, batch_size=5)
     engine.generation.kv_memory = _budget_for(engine, requests, 3)
     together = engine.generate(requests)
@@ -83,7 +85,7 @@ def test_continuous_answers_equal_each_document_alone(method, tmp_path):
 def test_chunked_prefill_and_other_architectures_join_the_batch(tmp_path):
     requests = _requests()
     for arch, kw in (("qwen3", {"prefill_chunk": 16}), ("mistral", {}), ("qwen2", {"query_aware": True})):
-        alone = _engine("criticalkv-shares-kvzap", tmp=tmp_path, arch=arch, **kw).generate(requests)
+        alone = _engine("criticalkv-shares-kvzap", tmp=tmp_path, arch=arch, continuous=False, **kw).generate(requests)
         engine = _engine("criticalkv-shares-kvzap", tmp=tmp_path, arch=arch, batch_size=5, **kw)
         engine.generation.kv_memory = _budget_for(engine, requests, 2)
         assert _fields(engine.generate(requests)) == _fields(alone), arch
@@ -102,6 +104,21 @@ def test_the_batch_stays_within_its_memory_budget(rows_at_once, tmp_path):
     assert 1 <= batch.largest_batch < len(rows)  # the budget held some rows, never all
     if rows_at_once > 1:
         assert batch.largest_batch > 1
+
+
+def test_the_default_budget_is_a_share_of_the_memory_available(tmp_path, monkeypatch):
+    """Without --kv-memory the batch holds 25 % of the RAM available (CPU), decided once."""
+    import pipeline.engine.memory as memory
+
+    available = [8 * 2**30]
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: type("VM", (), {"available": available[0]})())
+    engine = _engine("snapkv", tmp=tmp_path, batch_size=5)
+    assert engine.continuous and engine.kv_budget_bytes == 2 * 2**30
+    available[0] = 2**30
+    assert engine.kv_budget_bytes == 2 * 2**30  # decided once, not per call
+    engine.generation.kv_memory = 3.5
+    assert engine.kv_budget_bytes == int(3.5 * 2**20)  # --kv-memory wins
+    assert not _engine("snapkv", tmp=tmp_path, max_cache_tokens=12).continuous  # the decode cap: batch path
 
 
 def test_a_document_larger_than_the_budget_decodes_alone(tmp_path, caplog):
@@ -130,7 +147,7 @@ def test_a_failing_document_yields_error_rows_and_the_others_are_answered(faults
     errors = {a.doc_id for a in answers if a.error is not None}
     assert errors == {"c"}
     assert all("OutOfMemoryError" in a.error for a in answers if a.doc_id == "c")
-    alone = _engine("snapkv", tmp=tmp_path).generate([r for r in requests if r.doc_id != "c"])
+    alone = _engine("snapkv", tmp=tmp_path, continuous=False).generate([r for r in requests if r.doc_id != "c"])
     assert _fields([a for a in answers if a.doc_id != "c"]) == _fields(alone)
 
 
@@ -154,9 +171,9 @@ def test_batch_path_rows_leave_once_half_have_ended(method, parked, tmp_path):
     """The batch path (documents prefilled together) decodes only its active rows once half have ended:
     answers equal each document alone."""
     requests = _requests()
-    together = _engine(method, tmp=tmp_path, batch_size=5).generate(requests)
+    together = _engine(method, tmp=tmp_path, batch_size=5, continuous=False).generate(requests)
     assert parked  # rows with smaller limits ended first and left
-    assert _fields(together) == _fields(_engine(method, tmp=tmp_path).generate(requests))
+    assert _fields(together) == _fields(_engine(method, tmp=tmp_path, continuous=False).generate(requests))
 
 
 def test_sweep_rows_leave_and_fidelity_is_unchanged(parked, tmp_path):
