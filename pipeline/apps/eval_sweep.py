@@ -113,6 +113,8 @@ class EvalJob(JobConfig):
         "compression.selection",
         "compression.cache_size",
         "compression.budget",
+        "generation.continuous",  # a sweep decodes its settings side by side on the batch path
+        "generation.kv_memory",
     )
 
     @model_validator(mode="after")

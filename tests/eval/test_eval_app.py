@@ -44,6 +44,7 @@ def test_job_config_sweeps_every_setting_over_generated_documents(tmp_path):
     help_text = parser.parser.format_help()
     assert "--tasks" in help_text and "--summary-tokens" in help_text and "--sample-docs" not in help_text
     assert "--input" in help_text and "--id-column" in help_text  # own documents, with the jobs' column flags
+    assert "--kv-memory" not in help_text and "--continuous" not in help_text  # sweeps use the batch path
 
 
 def test_own_documents_replace_the_generated_ones(tmp_path):
