@@ -119,6 +119,7 @@ def main() -> None:
     p.add_argument("--methods", default="criticalkv-shares-kvzap", help="compressed methods, comma-separated")
     p.add_argument("--cache-sizes", default="0.2,0.4")
     p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None, help="PNG of tokens/s and the mean decode batch per side")
     args = p.parse_args()
     loaded = load_model(ModelConfig(name="smollm2"))
     probe = Engine(loaded, CompressionConfig(), GenerationConfig(max_new_tokens=args.new_tokens))
@@ -143,6 +144,8 @@ def main() -> None:
         r = results[label]
         print(f"{label}: {r['wall']:.1f} s, {r['tokens']} tokens", flush=True)
     write_report(report(args, budget, results), args.out)
+    if args.plot:
+        plot(results, args, budget, args.plot)
 
 
 def report(args, budget: int, results: dict) -> str:
@@ -173,6 +176,35 @@ def report(args, budget: int, results: dict) -> str:
         f"{args.new_tokens} new tokens, budget {budget / 2**20:.1f} MiB ({args.full_caches} full caches)"
     )
     return header(title) + "\n\n" + table(columns, rows, "l" + "r" * 10) + "\n"
+
+
+def plot(results: dict, args, budget: int, path: str) -> None:
+    """Bars of generated tokens/s per side, each labelled with its mean decode batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(results)
+    rates = [results[label]["tokens"] / results[label]["wall"] for label in labels]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(labels) + 1.5))
+    bars = ax.barh(range(len(labels)), rates, color=["#999999" if "none" in lb else "#2a7ab0" for lb in labels])
+    for bar, label in zip(bars, labels):
+        batch = results[label]["mean_batch"] or results[label]["largest_batch"]
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f"  batch {batch:.1f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("generated tokens / s (one actor, whole run: prefill included)")
+    ax.set_title(
+        f"{args.docs} documents x {args.length} tokens, {args.new_tokens} new tokens, "
+        f"KV budget {budget / 2**20:.0f} MiB",
+        fontsize=9,
+    )
+    ax.set_xlim(0, max(rates) * 1.25)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

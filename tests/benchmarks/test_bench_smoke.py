@@ -213,3 +213,22 @@ def test_memory_plot_draws_one_line_per_side(tmp_path):
     curves = {"none": [(2048, 150.0), (4096, 260.0)], "kvzap[prefill_chunk=1024]": [(2048, 60.0), (4096, 70.0)]}
     prefill_memory.plot_curves({"transformers": curves["none"], **curves}, 0.2, str(tmp_path / "b.png"))
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_throughput_plot_draws_every_side(tmp_path):
+    import throughput
+
+    results = {
+        "transformers DynamicCache, batch 2": {"wall": 10.0, "tokens": 80, "mean_batch": None, "largest_batch": 2},
+        "ours none, continuous": {"wall": 9.0, "tokens": 80, "mean_batch": 2.0, "largest_batch": 2},
+        "ours criticalkv-shares-kvzap @ 0.2, continuous": {
+            "wall": 6.0,
+            "tokens": 80,
+            "mean_batch": 7.5,
+            "largest_batch": 8,
+        },
+    }
+    args = type("Args", (), {"docs": 8, "length": 4096, "new_tokens": 256})()
+    path = tmp_path / "plot" / "throughput.png"
+    throughput.plot(results, args, 200 * 2**20, str(path))
+    assert path.stat().st_size > 5000
