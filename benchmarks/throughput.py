@@ -188,7 +188,8 @@ def plot(results: dict, args, budget: int, path: str) -> None:
     labels = list(results)
     rates = [results[label]["tokens"] / results[label]["wall"] for label in labels]
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(labels) + 1.5))
-    bars = ax.barh(range(len(labels)), rates, color=["#999999" if "none" in lb else "#2a7ab0" for lb in labels])
+    compressed = ["@" in label for label in labels]  # "ours METHOD @ SIZE, continuous"
+    bars = ax.barh(range(len(labels)), rates, color=["#2a7ab0" if c else "#999999" for c in compressed])
     for bar, label in zip(bars, labels):
         batch = results[label]["mean_batch"] or results[label]["largest_batch"]
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f"  batch {batch:.1f}", va="center", fontsize=8)
