@@ -1,16 +1,15 @@
 """Plain request/answer records exchanged between the engine and its callers (driver, CLI, eval).
 
-:class:`Answer`'s fields are generated from the output contract: the key columns and every column
-the schema marks as filled by the engine (:func:`pipeline.data.schema.columns_filled_by`
-``ANSWER``), so adding an engine column to the schema adds it here and to every output row.
+:class:`Answer` declares the output contract's key columns and every column the schema marks as
+filled by the engine (:func:`pipeline.data.schema.columns_filled_by` ``ANSWER``), in schema order; a
+test checks the two agree, so an engine column added to the schema must be added here too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from ..data.schema import ANSWER, KEY, columns_filled_by, python_type
+from ..data.schema import ANSWER, KEY, columns_filled_by
 
 
 @dataclass
@@ -69,23 +68,42 @@ def row_question_ids(question_ids: list[str], sweep: list[Setting]) -> list[str]
     return [setting.question_id(q) for setting in sweep for q in question_ids]
 
 
-def _as_row(self) -> dict:
-    """Output-contract columns of this answer (the setting's columns only when it has one)."""
-    row = {name: getattr(self, name) for name in (*columns_filled_by(KEY), *columns_filled_by(ANSWER))}
-    if self.setting is not None:
-        row.update(self.setting.columns())
-    return row
+@dataclass
+class Answer:
+    """One answered question with what it cost: the output schema's key columns, every column the
+    schema marks as filled by the engine (:func:`pipeline.data.schema.columns_filled_by` ``ANSWER``;
+    None when unknown, e.g. on an error row; ``tests/data/test_data_schema.py`` checks the two agree,
+    names, order and types) and ``setting`` (:class:`Setting`, None = the job's own)."""
 
+    doc_id: str
+    question_id: str
+    prediction: str | None = None
+    context_tokens: int | None = None
+    question_tokens: int | None = None
+    generated_tokens: int | None = None  # EOS counted
+    finish_reason: str | None = None  # stop / length / sentence
+    truncated_tokens: int | None = None
+    kv_entries_full: int | None = None
+    kv_entries_kept: int | None = None
+    kv_bytes_full: int | None = None
+    kv_bytes_kept: int | None = None
+    kv_bytes_reserved: int | None = None
+    kv_bytes_used: int | None = None
+    ttft_s: float | None = None
+    compress_s: float | None = None
+    decode_s: float | None = None
+    decode_ms_per_token: float | None = None
+    decode_batch: float | None = None
+    peak_memory_bytes: int | None = None
+    device: str | None = None
+    answer_nll: float | None = None
+    answer_nll_delta: float | None = None
+    error: str | None = None
+    setting: Setting | None = None
 
-Answer = dataclasses.make_dataclass(
-    "Answer",
-    [(name, str) for name in columns_filled_by(KEY)]
-    + [(name, python_type(name) | None, dataclasses.field(default=None)) for name in columns_filled_by(ANSWER)]
-    + [("setting", Setting | None, dataclasses.field(default=None))],
-    namespace={"as_row": _as_row, "__module__": __name__},
-)
-Answer.__doc__ = (
-    "One answered question with what it cost: ``doc_id``, ``question_id``, the output schema's engine "
-    f"columns ({', '.join(columns_filled_by(ANSWER))}; None when unknown, e.g. on an error row) and "
-    "``setting`` (:class:`Setting`, None = the job's own)."
-)
+    def as_row(self) -> dict:
+        """Output-contract columns of this answer (the setting's columns only when it has one)."""
+        row = {name: getattr(self, name) for name in (*columns_filled_by(KEY), *columns_filled_by(ANSWER))}
+        if self.setting is not None:
+            row.update(self.setting.columns())
+        return row

@@ -152,3 +152,24 @@ def test_empty_table_and_output_checks():
     bad = rows_to_table([{"doc_id": "d", "question_id": "q"}]).drop_columns(["score"])
     with pytest.raises(ValueError, match="missing column 'score'"):
         check_output_table(bad)
+
+
+def test_answer_declares_exactly_the_engine_columns_of_the_schema():
+    """``Answer`` is a plain dataclass (editors and type checkers see its fields); it must stay the
+    schema's key columns then its engine-filled columns, in order, with the columns' Python types."""
+    import dataclasses
+    import typing
+
+    from pipeline.data.schema import ANSWER, KEY, columns_filled_by, python_type
+    from pipeline.engine.types import Answer, Setting
+
+    names = [f.name for f in dataclasses.fields(Answer)]
+    assert names == [*columns_filled_by(KEY), *columns_filled_by(ANSWER), "setting"]
+    hints = typing.get_type_hints(Answer)
+    for name in columns_filled_by(KEY):
+        assert hints[name] is str, name
+    for name in columns_filled_by(ANSWER):
+        assert hints[name] == (python_type(name) | None), name
+    assert hints["setting"] == (Setting | None)
+    row = Answer("d", "q", prediction="x", error=None).as_row()
+    assert list(row) == [*columns_filled_by(KEY), *columns_filled_by(ANSWER)] and row["prediction"] == "x"
