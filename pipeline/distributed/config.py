@@ -197,6 +197,13 @@ class JobConfig(BaseModel):
             raise ValueError(f"no such file or directory: {value}")
         return value
 
+    @field_validator("instruction")
+    @classmethod
+    def _instruction_text(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("instruction must not be empty")
+        return value
+
     @field_validator("output", mode="before")
     @classmethod
     def _output_text(cls, value: object) -> object:
@@ -228,8 +235,6 @@ class JobConfig(BaseModel):
     def _consistent(self) -> JobConfig:
         if self.min_actors > self.max_actors:
             raise ValueError(f"min_actors ({self.min_actors}) must not exceed max_actors ({self.max_actors})")
-        if self.job == "summarize" and self.instruction is not None and not self.instruction.strip():
-            raise ValueError("instruction must not be empty")
         for setting in [self.compression, *self.sweep]:
             resolve_head_priors(setting, self.model.name)  # a headkv method needs a priors file: fail now
             if model_may_exist(self.model.name):  # else the model check names the real problem

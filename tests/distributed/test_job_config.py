@@ -264,3 +264,11 @@ def test_an_optional_number_takes_none_on_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         config_from_args("longdoc_qa", ["--prefill-chunk", "many"] + out)
     assert info.value.code == 2 and "invalid int or none value: 'many'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job", ["summarize", "eval_compression"])
+def test_an_empty_instruction_is_refused_for_every_job(job, tmp_path):
+    """It used to be checked for summaries only (the base config compared its job name); a sweep of
+    your own documents takes --instruction too."""
+    with pytest.raises(ValueError, match="instruction must not be empty"):
+        JobConfig(job=job, output=tmp_path / "o", instruction="  ")
