@@ -128,12 +128,12 @@ def question_hashes(doc: Mapping[str, Any]) -> dict[str, str]:
     """Question id -> a digest of what its answer is computed from (the context, the question, the
     answer prefix and the generation limit) for one normalised document (:data:`DOCUMENT_SCHEMA`
     fields); the output's ``input_hash``. A repeated question id keeps its first question."""
-    head = [doc.get("context") or "", doc.get("answer_prefix") or "", str(doc.get("max_new_tokens"))]
+    shared = content_id(
+        "\x1f".join([doc.get("context") or "", doc.get("answer_prefix") or "", str(doc.get("max_new_tokens"))])
+    )
     out: dict[str, str] = {}
     for qid, question in zip(doc.get("question_ids") or [], doc.get("questions") or []):
-        if str(qid) not in out:
-            text = "\x1f".join([*head, question or ""])
-            out[str(qid)] = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        out.setdefault(str(qid), content_id(f"{shared}\x1f{question or ''}"))  # the context hashed once
     return out
 
 

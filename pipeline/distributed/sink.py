@@ -229,13 +229,15 @@ def changed_inputs(docs: pa.Table, committed: Committed) -> list[str]:
     """Ids of the normalised ``docs`` whose committed rows were computed from other content: a row's
     ``input_hash`` that none of the document's questions has now (a changed context, question,
     answer prefix or limit under the same doc_id). Their old rows would otherwise be kept silently."""
+    if not committed.inputs:
+        return []
     columns = ["doc_id", "context", "questions", "question_ids", "answer_prefix", "max_new_tokens"]
-    changed = []
-    for doc in docs.select(columns).to_pylist():
-        before = committed.inputs.get(doc["doc_id"])
-        if before and not before <= set(question_hashes(doc).values()):
-            changed.append(doc["doc_id"])
-    return changed
+    answered = docs.filter(pc.is_in(docs.column("doc_id"), pa.array(list(committed.inputs), pa.string())))
+    return [  # only documents with committed rows are read into Python and hashed
+        doc["doc_id"]
+        for doc in answered.select(columns).to_pylist()
+        if not committed.inputs[doc["doc_id"]] <= set(question_hashes(doc).values())
+    ]
 
 
 def dedupe(data_dir: str | os.PathLike | Location, settings_id: str) -> int:

@@ -39,12 +39,12 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
     parts += [f"## Rows ({table.num_rows})\n", tables.markdown(tables.overview(table))]
 
     quality, tasks = tables.quality(table)
+    loss = tables.compression_loss(quality)  # empty without scored full-cache rows
     if quality:
         cols = ["method", "cache_size"] + [t for t in tasks if t != "all"] + ["average", "n"]
         parts += ["## Score by method and cache size\n", tables.markdown(quality, cols)]
         plots.score_vs_cache_size(quality, tasks, out_dir / "score_vs_cache_size.png")
         parts.append("![score vs cache size](score_vs_cache_size.png)\n")
-        loss = tables.compression_loss(quality)
         if loss:
             parts += ["## Compression loss relative to the full cache\n", tables.markdown(loss)]
             plots.compression_loss(loss, out_dir / "compression_loss.png")
@@ -62,7 +62,7 @@ def build_report(inputs: list[str | Path], out_dir: Path) -> Path:
         parts.append("![answer fidelity](fidelity.png)\n")
 
     if fid:  # without scored rows (no references) the methods rank by answer fidelity alone
-        parts += _comparison_sections(tables.compression_loss(quality) if quality else [], fid)
+        parts += _comparison_sections(loss, fid)
 
     cost = tables.costs(table)
     if cost:
