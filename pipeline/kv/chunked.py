@@ -6,7 +6,8 @@ Per chunk k (positions [k*C, (k+1)*C) of every row; rows that already ended are 
 
 1. each layer's attention: the chunk's queries attend to what the cache kept of the earlier chunks
    plus the chunk itself, causally (the first chunk: dense causal attention; later ones: the chunk is
-   appended to the variable-length store and read like a question chunk). The scorer scores the
+   appended to the variable-length store and each segment is read in place, in blocks of queries,
+   :func:`~pipeline.kv.varlen_kernels.segmentwise_chunk_attention`). The scorer scores the
    chunk's own entries from the chunk alone (``observe`` on its queries / hidden states, ``score``
    with no observation window): the entries' *raw* scores, -inf on padding, +inf on sinks;
 2. after the whole chunk (every layer), :meth:`ChunkedCompression.compress` selects, per layer, from
@@ -45,12 +46,14 @@ import torch
 from .attention import dense_prefill_attention
 from .phases import Phase
 from .store import VarLenLayer
-from .varlen_kernels import sdpa_varlen_attention
+from .varlen_kernels import segmentwise_chunk_attention
 
 if TYPE_CHECKING:  # annotations only: the cache imports this module
     from .cache import VarLenCache
 
-WEIGHTS_PER_CALL = 1 << 21  # attention weights (queries x heads x entries) per call over the held entries
+# attention weights (query heads x queries x entries) per call over one segment's held entries and the
+# chunk: 64 MiB in fp32 where a kernel materialises them (the fused CPU and CUDA kernels do not)
+WEIGHTS_PER_CALL = 1 << 24
 
 
 def store_from_segments(
@@ -126,19 +129,9 @@ class ChunkedCompression:
         if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compression
             self.first_chunk[idx] = (key, value, pos)
             return dense_prefill_attention(query, key, value, pos, scaling)
-        # update() appended the chunk to the store: masked SDPA over its padded view (the decode kernels
-        # are built for a few queries; a chunk has hundreds), in query blocks so that the weights
-        # (block x heads x entries, fp32) stay near 8 MiB whatever the chunk and the longest head
-        keys, values, positions = cache.store[idx].padded_view()
-        out = torch.empty_like(query)
-        per_query = query.shape[0] * query.shape[1] * keys.shape[1]
-        step = max(16, WEIGHTS_PER_CALL // max(per_query, 1))
-        for begin in range(0, query.shape[2], step):
-            block = slice(begin, begin + step)
-            out[:, :, block] = sdpa_varlen_attention(
-                query[:, :, block], keys, values, positions, cache.query_pos[:, block], scaling
-            )
-        return out
+        # update() appended the chunk to every segment of the store: one masked SDPA per segment over its
+        # own entries, read in place (the decode kernels are built for a few queries; a chunk has hundreds)
+        return segmentwise_chunk_attention(query, cache.store[idx], cache.query_pos, scaling, WEIGHTS_PER_CALL)
 
     def _candidates(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's candidates' positions (S, L) (-1: none) and raw scores (S, L), per segment: the

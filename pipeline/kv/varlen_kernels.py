@@ -39,6 +39,10 @@ function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
   batches keep the blocked kernel, and so do long single rows (``FLAT_MAX_MASKED``). The CPU
   default for single-row ragged decode steps (``CRITICALKV_RAGGED_DECODE=flat|blocked`` forces one).
 
+A later chunk of a chunked prefill (hundreds of queries per row over a ragged store) takes none of
+these: :func:`segmentwise_chunk_attention` reads each segment in place with one SDPA call per block of
+queries.
+
 ``choose_kernel`` picks one per call from the call's shape and device; ``dense_decode_kernel`` how a
 decode step reads a uniform cache's dense view, ``ragged_decode_kernel`` whether a single-row ragged
 decode step takes ``flat`` or ``blocked``. A :class:`KernelChoice`, fixed when a cache is made, may
@@ -68,6 +72,9 @@ RAGGED_KERNELS = ("flat", "blocked")
 # flat by default while H_kv x slots <= this: where its H_kv-fold dot products stop beating the blocked
 # kernel on SmolLM2 (benchmarks/ragged_decode.py; the figures are in docs/BENCHMARKS.md)
 FLAT_MAX_MASKED = 12288
+# queries per call of a prefill chunk over its segment: each block reads the chunk's keys only up to its
+# own last query, which skips most of the chunk's causal upper half (benchmarks/method_costs.py)
+CHUNK_QUERY_BLOCK = 256
 
 
 @functools.lru_cache(maxsize=1)
@@ -228,6 +235,43 @@ def sdpa_varlen_attention(
         scale=scaling,
         enable_gqa=True,
     )
+    return out.reshape(bsz, h_q, t, dim)
+
+
+def segmentwise_chunk_attention(
+    query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float, weights_per_call: int
+) -> torch.Tensor:
+    """A prefill chunk's T queries per row over ``layer`` (what it held, then the chunk appended as the
+    last T entries of every segment), one SDPA call per segment and block of queries.
+
+    Each segment is read in place (its live entries are contiguous in the flat buffer), so no padded
+    copy of the store is made and no segment pays for a longer one's entries (per-head budgets make
+    segments ragged). A block of queries reads the held entries and the chunk's keys up to its own
+    last query (later ones follow every query of the block), so the chunk's causal upper half is
+    mostly skipped; the mask is the position rule (key j visible to query q iff ``0 <= pos_j <= pos_q``).
+    Blocks are at most ``CHUNK_QUERY_BLOCK`` queries, fewer where one call's attention weights
+    (G x block x entries) would exceed ``weights_per_call`` (a kernel that materialises them).
+
+    query: (B, H_q, T, D); query_pos: (B, T). Returns (B, H_q, T, D).
+    """
+    bsz, h_q, t, dim = query.shape
+    groups = h_q // layer.num_heads
+    q = query.reshape(layer.num_segments, groups, t, dim)
+    out = torch.empty_like(q)
+    for segment, (begin, count) in enumerate(zip(layer.start.tolist(), layer.length.tolist())):
+        held = count - t
+        qpos = query_pos[segment // layer.num_heads]
+        step = min(CHUNK_QUERY_BLOCK, max(16, weights_per_call // max(groups * count, 1)))
+        for first in range(0, t, step):
+            last = min(first + step, t)
+            end = begin + held + last  # the held entries and the chunk's keys up to this block's last query
+            keys = layer.keys[begin:end][None, None].to(q.dtype)
+            values = layer.values[begin:end][None, None].to(q.dtype)
+            key_pos = layer.positions[begin:end]
+            allowed = (key_pos[None, :] >= 0) & (key_pos[None, :] <= qpos[first:last, None])  # (block, keys)
+            out[segment, :, first:last] = F.scaled_dot_product_attention(
+                q[segment, None, :, first:last], keys, values, attn_mask=allowed, scale=scaling, enable_gqa=True
+            )[0]
     return out.reshape(bsz, h_q, t, dim)
 
 

@@ -33,6 +33,7 @@ from pipeline.kv.varlen_kernels import (
     packed_segments,
     ragged_decode_kernel,
     sdpa_varlen_attention,
+    segmentwise_chunk_attention,
 )
 from tests.tiny import tiny_loaded
 
@@ -166,6 +167,20 @@ def test_blocked_chunk_equals_the_reference(groups):
     layer, query, query_pos, real = _layer_and_chunk(groups=groups, append=True, pad=(0, 2))
     assert layer.block_table() is not None  # the append grew the layer into blocks
     got = blocked_attention(query, layer, query_pos, 0.3)
+    expected = _reference(layer, query, query_pos, 0.3)
+    mask = real[:, None, :, None].expand_as(expected)
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("block, weights", [(256, 1 << 24), (16, 1 << 24), (256, 1)])
+def test_segmentwise_chunk_attention_equals_the_reference(groups, block, weights, monkeypatch):
+    """A left-padded chunk of 40 tokens over ragged segments, read segment by segment: in one block,
+    in query blocks of 16 (each reading the chunk's keys only up to its last query), and in the
+    smallest blocks the weight bound allows."""
+    monkeypatch.setattr(varlen_kernels, "CHUNK_QUERY_BLOCK", block)
+    layer, query, query_pos, real = _layer_and_chunk(groups=groups, append=True, t=40, pad=(0, 21))
+    got = segmentwise_chunk_attention(query, layer, query_pos, 0.3, weights)
     expected = _reference(layer, query, query_pos, 0.3)
     mask = real[:, None, :, None].expand_as(expected)
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
