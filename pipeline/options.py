@@ -10,7 +10,9 @@ and the type, choices and on/off switches come from the annotation (``bool`` -> 
 Settings are layered, later ones winning: the model's own defaults, a YAML file given with
 ``--config FILE`` (keys as in the model, nested: ``compression: {method: snapkv}``), then the flags
 actually typed (only those: argparse defaults are suppressed). The result is validated by the
-model; a bad value exits with code 2 and a message naming the flag and the field.
+model; a bad value exits with code 2 and a message naming the flag and the field. Only
+:meth:`OptionParser.parse` and :func:`fail` exit (they are the command line's edge); the functions
+under them raise :class:`UsageError`.
 """
 
 from __future__ import annotations
@@ -19,16 +21,49 @@ import argparse
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
 REQUIRED = object()
+
+
+class UsageError(ValueError):
+    """A bad setting in a command line or ``--config`` file; the message names the flag."""
+
+
+class CommandLineConfig(BaseModel):
+    """A config whose command line is laid out by the config itself (the defaults here are what any
+    other pydantic model gets): subclasses override what they need."""
+
+    #: dotted field paths that get no flag (e.g. ``"compression.method"`` for a job that sets it)
+    cli_exclude: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def option_groups(cls) -> list[tuple[str, list[str]]]:
+        """(help group title, field names) in help order; the default: one group of every field."""
+        return [(model_title(cls), list(cls.model_fields))]
+
+    @classmethod
+    def cli_aliases(cls) -> dict[str, tuple[Any, str, Callable[[Any], dict]]]:
+        """Flags that are not fields: ``{name: (type, description, expand)}``, ``expand(value)`` returning
+        the fields the alias stands for (raising ValueError on a bad value); they join the first group."""
+        return {}
+
+
+def model_title(model: type[BaseModel]) -> str:
+    """The first line of the model's docstring (its help group title), else its name."""
+    return (model.__doc__ or model.__name__).strip().splitlines()[0].rstrip(".")
+
+
+def _layout(model: type[BaseModel]) -> type[CommandLineConfig]:
+    """The class whose declarations lay out ``model``'s flags: the model itself, or the defaults."""
+    return model if issubclass(model, CommandLineConfig) else CommandLineConfig
 
 
 @dataclass
@@ -139,20 +174,15 @@ def _field_default(field, parent_default: BaseModel | None, name: str) -> Any:
 def collect_options(
     model: type[BaseModel], exclude: Sequence[str] = (), prefix: str = "", default: BaseModel | None = None
 ) -> list[tuple[str, list[Option]]]:
-    """(group title, options) for ``model``'s fields, recursing into nested config models.
-
-    A model may lay its fields out in several groups with a classmethod ``option_groups()`` ->
-    [(title, field names)], and add flags that are not fields (spellings its validator parses)
-    with ``cli_aliases()`` -> {name: (type, description, expand)} where ``expand(value)`` returns the
-    fields the alias stands for; those join the first group.
-    """
-    title = (model.__doc__ or model.__name__).strip().splitlines()[0].rstrip(".")
-    layout = model.option_groups() if hasattr(model, "option_groups") else [(title, list(model.model_fields))]
+    """(group title, options) for ``model``'s fields, recursing into nested config models, laid out
+    as the model declares (:class:`CommandLineConfig`)."""
+    declared = _layout(model)
+    layout = declared.option_groups() if declared is model else [(model_title(model), list(model.model_fields))]
     groups: list[tuple[str, list[Option]]] = []
     for index, (group_title, names) in enumerate(layout):
         own: list[Option] = []
-        if index == 0 and hasattr(model, "cli_aliases"):
-            for name, (annotation, description, _) in model.cli_aliases().items():
+        if index == 0:
+            for name, (annotation, description, _) in declared.cli_aliases().items():
                 if f"{prefix}{name}" in exclude:
                     continue
                 value = getattr(default, name, None) if default is not None else None
@@ -210,7 +240,7 @@ class OptionParser:
         if extra_args is not None:  # options that are not config fields (e.g. --json output format)
             extra_args(self.parser)
         self.options: dict[str, Option] = {}
-        for title, options in collect_options(model, tuple(exclude) + tuple(getattr(model, "cli_exclude", ()))):
+        for title, options in collect_options(model, tuple(exclude) + _layout(model).cli_exclude):
             group = self.parser.add_argument_group(title)
             for opt in options:
                 if opt.flag in {o.flag for o in self.options.values()}:
@@ -226,15 +256,16 @@ class OptionParser:
         Also returns the namespace (for ``extra_args`` options)."""
         args = self.parser.parse_args(sys.argv[1:] if argv is None else list(argv))
         flags = _nested({k: v for k, v in vars(args).items() if k in self.options})
-        from_file = load_yaml(args.config) if hasattr(args, "config") else {}
-        layered = model_defaults(self.model)
-        for source, layer in (("in --config", from_file), ("", flags)):
-            layered = merge_layer(self.model, layered, layer, source)
         try:
+            from_file = load_yaml(args.config) if "config" in vars(args) else {}
+            layered = model_defaults(self.model)
+            for source, layer in (("in --config", from_file), ("", flags)):
+                layered = merge_layer(self.model, layered, layer, source)
             return self.model.model_validate(layered), args
+        except UsageError as exc:
+            fail(str(exc))
         except ValidationError as exc:
             fail(self.describe_errors(exc))
-        raise AssertionError("unreachable")
 
     def describe_errors(self, exc: ValidationError) -> str:
         """One ``invalid --flag (field): message`` line per error."""
@@ -260,23 +291,24 @@ def model_defaults(model: type[BaseModel]) -> dict:
 
 def merge_layer(model: type[BaseModel] | None, base: dict, top: dict, source: str) -> dict:
     """``top`` over ``base`` for ``model``, key by key into nested configs; an alias in ``top``
-    (``cli_aliases``) is expanded into its fields first, replacing theirs in ``base``."""
+    (``cli_aliases``) is expanded into its fields first, replacing theirs in ``base``. Raises
+    :class:`UsageError` for a bad alias value or an alias that contradicts a field given beside it."""
     top = dict(top)
-    if model is not None and hasattr(model, "cli_aliases"):
-        for name, (_, _, expand) in model.cli_aliases().items():
-            if name not in top:
-                continue
-            try:
-                fields = expand(top.pop(name))
-            except ValueError as exc:
-                fail(f"invalid --{name.replace('_', '-')}{' ' + source if source else ''}: {exc}")
-            for key, value in fields.items():
-                if key in top and top[key] != value:
-                    fail(
-                        f"invalid --{name.replace('_', '-')}{' ' + source if source else ''}: it sets {key}={value!r}, "
-                        f"but {key}={top[key]!r} was also given"
-                    )
-                top[key] = value
+    aliases = _layout(model).cli_aliases() if model is not None else {}
+    for name, (_, _, expand) in aliases.items():
+        if name not in top:
+            continue
+        try:
+            fields = expand(top.pop(name))
+        except ValueError as exc:
+            raise UsageError(f"invalid --{name.replace('_', '-')}{' ' + source if source else ''}: {exc}") from None
+        for key, value in fields.items():
+            if key in top and top[key] != value:
+                raise UsageError(
+                    f"invalid --{name.replace('_', '-')}{' ' + source if source else ''}: it sets {key}={value!r}, "
+                    f"but {key}={top[key]!r} was also given"
+                )
+            top[key] = value
     merged = dict(base)
     for key, value in top.items():
         field = model.model_fields.get(key) if model is not None else None
@@ -300,19 +332,20 @@ def _nested(flat: dict[str, Any]) -> dict:
 
 
 def load_yaml(path: str) -> dict:
-    """The mapping in a ``--config`` YAML file; exits with 2 naming the problem."""
+    """The mapping in a ``--config`` YAML file; :class:`UsageError` naming the problem."""
     file = Path(path)
     if not file.is_file():
-        fail(f"invalid --config: no such file: {file}")
+        raise UsageError(f"invalid --config: no such file: {file}")
     try:
         data = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as exc:
-        fail(f"invalid --config: {file} is not valid YAML: {exc}")
+        raise UsageError(f"invalid --config: {file} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        fail(f"invalid --config: {file} must hold a mapping of settings")
+        raise UsageError(f"invalid --config: {file} must hold a mapping of settings")
     return data
 
 
 def fail(message: str) -> typing.NoReturn:
+    """The command line's exit for a bad setting: ``error: message`` on stderr, exit code 2."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)

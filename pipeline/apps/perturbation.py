@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.loading import load_model
@@ -26,13 +26,13 @@ from pipeline.engine.priors import resolve_head_priors
 from pipeline.eval.perturbation import method_configs, run_perturbation
 from pipeline.eval.perturbation_docs import continuation_documents, question_documents
 from pipeline.kv.config import CompressionConfig
-from pipeline.options import OptionParser, fail
+from pipeline.options import CommandLineConfig, OptionParser, fail
 from pipeline.report.perturbation import format_headline, headline
 
 DEFAULT_METHODS = ["snapkv", "criticalkv-snapkv", "adakv-snapkv", "criticalkv-adakv-snapkv"]
 
 
-class PerturbationJob(BaseModel):
+class PerturbationJob(CommandLineConfig):
     """Diagnostics"""
 
     model_config = ConfigDict(extra="forbid")

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pipeline.data.locations import StorageError, is_uri, resolve
 from pipeline.data.normalise import ColumnMapping
@@ -37,6 +37,7 @@ from pipeline.engine.kvzap_file import resolve_kvzap
 from pipeline.engine.loading import model_may_exist
 from pipeline.engine.priors import resolve_head_priors
 from pipeline.kv.config import CompressionConfig, default_compression
+from pipeline.options import CommandLineConfig
 
 JOBS = ("longdoc_qa", "summarize", "eval_compression")
 HIDDEN = {"cli": False}
@@ -55,7 +56,7 @@ def default_output(job: str) -> str:
     return str(Path("outputs") / f"{job}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
 
 
-class JobConfig(BaseModel):
+class JobConfig(CommandLineConfig):
     """Input and output"""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -23,6 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from ..options import CommandLineConfig
 from .allocation import ALLOCATIONS
 from .phases import Phase, method_phase
 from .scorers import SCORERS
@@ -85,7 +86,7 @@ def _part_options() -> tuple[type[BaseModel], ...]:
     return tuple(models)
 
 
-class _CompressionCore(BaseModel):
+class _CompressionCore(CommandLineConfig):
     """KV-cache compression"""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
