@@ -74,6 +74,7 @@ from pipeline.distributed.config import JobConfig
 from pipeline.distributed.dataset import build_dataset
 from pipeline.distributed.failures import describe, storage_hint
 from pipeline.distributed.inputs import check_ray_input, choose_normalise, load_documents
+from pipeline.distributed.manifest import RowCounts, RunRecord, close_abandoned_runs, new_manifest
 from pipeline.distributed.predictor import ScoreFunction, setting_of
 from pipeline.distributed.rundir import DATA_DIR, JobConfigError, OutputDir, host_facts, new_run_id, now_iso, versions
 from pipeline.distributed.summary import RunSummary, format_summary, summarize
@@ -140,23 +141,6 @@ def _progress_printer(docs_scheduled: int | None) -> Callable[[pa.Table, int], N
     return report
 
 
-ABANDONED = (
-    "its driver ended without recording the run's end: killed, or the manifest could not be written "
-    "(e.g. full storage; that run's last error line said which)"
-)
-
-
-def close_abandoned_runs(manifest: dict) -> None:
-    """Runs a manifest still calls ``running`` when a new run opens it: their driver died, or could not
-    write the manifest at the end (a full disk). They become ``interrupted``, with an ``error`` saying so
-    where the run recorded none."""
-    for old in manifest["runs"]:
-        if old.get("status") == "running":
-            old["status"] = "interrupted"
-            old["error"] = old.get("error") or ABANDONED
-            old["ended_at"] = old.get("ended_at") or now_iso()
-
-
 class _Run:
     """One run into a locked output directory: schedule what is not committed, run Ray, check, record."""
 
@@ -175,24 +159,24 @@ class _Run:
         expected, docs, counts = self._schedule(docs, committed)
         run = self._start_record(manifest, committed, counts)
         error = self._run_ray(docs, committed, manifest, run)
-        return self._finish(manifest, run, committed, expected, counts, error)
+        return self._finish(manifest, run, committed, expected, error)
 
     def _open_manifest(self) -> dict:
         manifest = self.out.check(self.config)  # again, now that no other run can change the directory
         self.out.data_location.makedirs()
         self.debris = sink.remove_debris(self.out.data_location)
         if manifest is None:
-            manifest = {
-                "schema_version": SCHEMA_VERSION,
-                "job": self.config.job,
-                "output": self.out.location.uri,
-                "data": DATA_DIR,
-                "identity": self.config.identity(),
-                "fingerprint": self.config.fingerprint(),
-                "created_at": now_iso(),
-                "runs": [],
-            }
-        close_abandoned_runs(manifest)
+            config = self.config
+            manifest = new_manifest(
+                SCHEMA_VERSION,
+                config.job,
+                self.out.location.uri,
+                DATA_DIR,
+                config.identity(),
+                config.fingerprint(),
+                now_iso(),
+            )
+        close_abandoned_runs(manifest, now_iso())
         return manifest
 
     def _schedule(self, docs: pa.Table | None, committed: sink.Committed):
@@ -221,34 +205,33 @@ class _Run:
         }
         return expected, docs, counts
 
-    def _start_record(self, manifest: dict, committed: sink.Committed, counts: dict) -> dict:
-        run = {
-            "run_id": self.run_id,
-            "status": "running",
-            "started_at": now_iso(),
-            "ended_at": None,
-            "config": self.config.model_dump(mode="json"),
-            "normalise": self.mode,
-            "host": host_facts(),
-            "versions": versions(),
-            "gpu": {},
-            "temporary_files_removed": self.debris,
-            "rows": {"committed_before": committed.rows, **counts},
-        }
+    def _start_record(self, manifest: dict, committed: sink.Committed, counts: dict) -> RunRecord:
+        run = RunRecord(
+            run_id=self.run_id,
+            started_at=now_iso(),
+            config=self.config.model_dump(mode="json"),
+            normalise=self.mode,
+            host=host_facts(),
+            versions=versions(),
+            temporary_files_removed=self.debris,
+            rows=RowCounts(committed_before=committed.rows, **counts),
+        )
         manifest["runs"].append(run)
         self._write(manifest)
         return run
 
     def _write(self, manifest: dict) -> None:
-        """Replace the manifest; a storage error is remembered (and said at the end), not raised."""
+        """Replace the manifest (this run's record as it stands); a storage error is remembered (and
+        said at the end), not raised."""
         manifest["updated_at"] = now_iso()
+        runs = [r.as_json() if isinstance(r, RunRecord) else r for r in manifest["runs"]]
         try:
-            self.out.write_manifest(manifest)
+            self.out.write_manifest({**manifest, "runs": runs})
             self.manifest_error = None
         except OSError as exc:
             self.manifest_error = describe(exc)
 
-    def _run_ray(self, docs, committed: sink.Committed, manifest: dict, run: dict) -> BaseException | None:
+    def _run_ray(self, docs, committed: sink.Committed, manifest: dict, run: RunRecord) -> BaseException | None:
         """Run the Ray pipeline; returns the error of a failed run (re-raises config errors and interrupts)."""
         if docs is not None and docs.num_rows == 0:
             return None
@@ -265,11 +248,11 @@ class _Run:
             # Ray Data fails an execution after 30 min without a finished block: too short for one
             # long document with a large sweep on a CPU; -1 disables its guard
             context.execution_no_progress_timeout_s = self.config.stall_timeout_s or -1
-            run["gpu"]["cluster"] = cluster_gpus()
+            run.gpu["cluster"] = cluster_gpus()
             self.ray_info = ray_facts(self.config, address, cpus)
             done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
             ds = build_dataset(self.config, docs, done, self.run_id, cpus, self.score)
-            self._commit_results(ds, run["rows"]["docs_scheduled"])
+            self._commit_results(ds, run.rows.docs_scheduled)
         except JobConfigError as exc:
             self._end_early(manifest, run, exc, "failed")
             raise
@@ -296,37 +279,18 @@ class _Run:
         )
         committer.commit_all(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
 
-    def _record_end(self, manifest, run, error, wall, this_run, summary, final, removed, missing) -> None:
-        """The run's entry in the manifest once its rows are committed and checked."""
-        run.update(
-            {
-                "status": "failed" if error is not None else "completed",
-                "ended_at": now_iso(),
-                "wall_s": round(wall, 3),
-                "ray": self.ray_info,
-                "error": None if error is None else describe(error),
-            }
-        )
-        run["gpu"]["actor_devices"] = sorted({d for d in this_run.column("device").to_pylist() if d})
-        run["rows"].update(
-            {
-                "written": this_run.num_rows,
-                "ok": summary.rows_ok,
-                "failed": summary.rows_failed,
-                "duplicates_removed": removed,
-                "missing": missing,
-                "committed_total": final.rows,
-            }
-        )
-        run["summary"] = summary.as_dict()
-        manifest["totals"] = {
-            "rows": final.rows,
-            "docs": len(final.answered),
-            "rows_with_error": final.rows - sum(len(v) for v in final.succeeded.values()),
-        }
+    def _record_end(
+        self, manifest: dict, run: RunRecord, error: BaseException | None, this_run: pa.Table, final
+    ) -> None:
+        """The run's end in the manifest once its rows are committed and checked (``final``: the
+        output's committed state)."""
+        run.end("failed" if error is not None else "completed", now_iso(), None if error is None else describe(error))
+        run.ray = self.ray_info
+        run.gpu["actor_devices"] = sorted({d for d in this_run.column("device").to_pylist() if d})
+        manifest["totals"] = {"rows": final.rows, "docs": len(final.answered), "rows_with_error": _with_error(final)}
 
-    def _end_early(self, manifest: dict, run: dict, exc: BaseException, status: str) -> None:
-        run.update({"status": status, "ended_at": now_iso(), "error": describe(exc)})
+    def _end_early(self, manifest: dict, run: RunRecord, exc: BaseException, status: str) -> None:
+        run.end(status, now_iso(), describe(exc))
         self._write(manifest)
 
     def _failure(self, error: BaseException, committed: int | None) -> str:
@@ -344,7 +308,7 @@ class _Run:
             + f"; {where}; rerun the same command to resume"
         )
 
-    def _finish(self, manifest, run, committed, expected, counts, error) -> RunResult:
+    def _finish(self, manifest, run: RunRecord, committed, expected, error) -> RunResult:
         data = self.out.data_location
         try:
             removed = sink.dedupe(data, self.config.fingerprint()) if error is None else 0
@@ -356,7 +320,11 @@ class _Run:
         missing = None if expected is None else sum(1 for d, q in expected if q not in final.answered.get(d, ()))
         wall = time.perf_counter() - self.t0
         summary = summarize(this_run, wall, data.uri, self.config.compression.query_aware, rows_skipped=committed.keys)
-        self._record_end(manifest, run, error, wall, this_run, summary, final, removed, missing)
+        rows = run.rows
+        rows.written, rows.ok, rows.failed = this_run.num_rows, summary.rows_ok, summary.rows_failed
+        rows.duplicates_removed, rows.missing, rows.committed_total = removed, missing, final.rows
+        run.wall_s, run.summary = round(wall, 3), summary.as_dict()
+        self._record_end(manifest, run, error, this_run, final)
         self._write(manifest)
         if error is not None:
             raise JobFailed(self._failure(error, this_run.num_rows)) from error
@@ -369,16 +337,21 @@ class _Run:
             output_dir=self.out.path,
             data_dir=self.out.data,
             manifest_path=self.out.manifest_path,
-            docs_input=counts["docs_input"],
-            docs_skipped=counts["docs_skipped"] or 0,
-            docs_scheduled=counts["docs_scheduled"],
+            docs_input=rows.docs_input,
+            docs_skipped=rows.docs_skipped or 0,
+            docs_scheduled=rows.docs_scheduled,
             rows_written=this_run.num_rows,
             duplicates_removed=removed,
             missing_rows=missing,
             summary=summary,
             total_rows=final.rows,
             wall_s=wall,
-            rows_with_error=final.rows - sum(len(v) for v in final.succeeded.values()),
-            docs_changed=counts["docs_changed"],
+            rows_with_error=_with_error(final),
+            docs_changed=rows.docs_changed,
             extra={"ray": self.ray_info, "normalise": self.mode},
         )
+
+
+def _with_error(state: sink.Committed) -> int:
+    """Committed rows whose ``error`` is set."""
+    return state.rows - sum(len(v) for v in state.succeeded.values())

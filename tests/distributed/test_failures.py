@@ -42,7 +42,7 @@ def test_storage_hint_names_full_storage():
 def test_a_run_left_running_is_closed_with_an_error_by_the_next_run():
     """A full disk can keep the manifest from recording a run's failure; the run that opens the
     manifest next records that the earlier one ended without saying how, instead of nothing."""
-    from pipeline.distributed.driver import ABANDONED, close_abandoned_runs
+    from pipeline.distributed.manifest import ABANDONED, close_abandoned_runs
 
     manifest = {
         "runs": [
@@ -50,7 +50,7 @@ def test_a_run_left_running_is_closed_with_an_error_by_the_next_run():
             {"run_id": "b", "status": "running", "error": None, "ended_at": None},
         ]
     }
-    close_abandoned_runs(manifest)
+    close_abandoned_runs(manifest, "2026-12-03T00:00:00Z")
     first, second = manifest["runs"]
     assert first == {"run_id": "a", "status": "failed", "error": "OSError: No space left on device", "ended_at": "t1"}
     assert second["status"] == "interrupted" and second["error"] == ABANDONED and second["ended_at"]
