@@ -212,6 +212,7 @@ class Compressor:
             projection=lambda: self.projection(idx, module, heads, dim),
             head_priors=self.head_priors,
             kvzap=self.kvzap,
+            selection_weighs_values=self.selection.weighs_by_value_norm,
         )
         return self._select(ctx, scores, budget).keep
 
@@ -233,6 +234,7 @@ class Compressor:
             projection=lambda: self.projection(layer_idx, layer.module, h_kv, dim),
             head_priors=self.head_priors,
             kvzap=self.kvzap,
+            selection_weighs_values=self.selection.weighs_by_value_norm,
         )
 
     def _select(self, ctx: LayerContext, scores: torch.Tensor, head_budget: torch.Tensor) -> LayerSelection:

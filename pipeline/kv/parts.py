@@ -45,7 +45,8 @@ class LayerContext:
     observed: what the scorer's :meth:`Scorer.observe` kept of the prefill queries;
     projection(): the layer's W_O slices (float32, cached by the compressor);
     head_priors: (L, H_kv) HeadKV priors or None; kvzap: the learned scorer's weights and
-    calibrated shares (:class:`~pipeline.kv.kvzap_model.KVzapModel`) or None.
+    calibrated shares (:class:`~pipeline.kv.kvzap_model.KVzapModel`) or None;
+    selection_weighs_values: the method's selection declares :attr:`Selection.weighs_by_value_norm`.
     """
 
     layer_idx: int
@@ -60,6 +61,7 @@ class LayerContext:
     projection: Callable[[], OutputProjection]
     head_priors: torch.Tensor | None = None
     kvzap: KVzapModel | None = None
+    selection_weighs_values: bool = False
 
 
 @dataclass
@@ -156,6 +158,10 @@ class Allocation(Part):
 
 class Selection(Part):
     """Which entries fill each head's count."""
+
+    #: True when the selection weighs scores by the entries' projected value norms itself (CriticalKV);
+    #: a scorer that would weigh by the value norm leaves it to the selection then (``LayerContext``)
+    weighs_by_value_norm: ClassVar[bool] = False
 
     def select(
         self,

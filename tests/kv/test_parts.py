@@ -76,6 +76,7 @@ def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None, 
         projection=lambda: proj,
         head_priors=priors,
         kvzap=kvzap,
+        selection_weighs_values=SELECTIONS[config.selection].weighs_by_value_norm,
     )
 
 
@@ -84,10 +85,13 @@ def _config(**parts):
     return CompressionConfig(method=method_name(**parts), cache_size=0.3, window=WINDOW, kernel=3, future_positions=7)
 
 
+@pytest.mark.parametrize("selection", list(SELECTIONS))
 @pytest.mark.parametrize("name", list(SCORERS))
-def test_scorer_matches_reference(name):
+def test_scorer_matches_reference(name, selection):
+    """Under each selection: a scorer may leave a weighting to the selection (ExpectedAttention's ||V||
+    under CriticalKV)."""
     assert name in SCORER_REFERENCES, f"scorer {name!r} has no naive reference in tests/kv/reference.py"
-    cfg = _config(scorer=name)
+    cfg = _config(scorer=name, selection=selection)
     q, k, v, pos = _batch(1)
     scorer = SCORERS[name]
     ctx = _context(cfg, q, k, v, pos, scorer)

@@ -96,7 +96,7 @@ class ExpectedAttention(Scorer):
 
     def score(self, ctx: LayerContext, config) -> torch.Tensor:
         scores = expected_attention_scores(ctx.observed, ctx.key, ctx.key_pos, config.sink_tokens)
-        if config.use_vnorm and config.selection != "criticalkv":
+        if config.use_vnorm and not ctx.selection_weighs_values:  # else the selection weighs by it
             scores = (scores + config.vnorm_epsilon) * ctx.value.float().norm(dim=-1)
         scores = scores.masked_fill(sink_mask(ctx.key_pos, config.sink_tokens)[:, None, :], float("inf"))
         return finalise(scores, ctx.key_pos, ctx.row_window)

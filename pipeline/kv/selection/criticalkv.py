@@ -116,6 +116,7 @@ def two_stage_select(
 class CriticalKV(Selection):
     name = "criticalkv"
     options = CriticalKVOptions
+    weighs_by_value_norm = True
     summary = "two-stage selection by (s + eps) * ||V W_O|| (arXiv 2502.03805)"
 
     def select(self, scores, head_budget, ctx: LayerContext, config, stats):
