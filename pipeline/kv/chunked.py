@@ -78,12 +78,25 @@ def store_from_segments(
     )
 
 
-def kept_in_order(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(S, L) values of the kept slots moved to the front of each segment, in slot order, -inf after."""
+def kept_in_order(values: torch.Tensor, keep: torch.Tensor, fill: str = "-inf") -> torch.Tensor:
+    """(S, L) values of the kept slots moved to the front of each segment, in slot order, ``fill`` after."""
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
     width = max(int(keep.sum(-1).max()) if keep.numel() else 0, 1)
     moved = torch.gather(values, 1, order[:, :width])
-    return moved.masked_fill(~torch.gather(keep, 1, order[:, :width]), float("-inf"))
+    return moved.masked_fill(~torch.gather(keep, 1, order[:, :width]), float(fill))
+
+
+def held_then_chunk(held: torch.Tensor, held_count: torch.Tensor, chunk: torch.Tensor, width: int, fill: str):
+    """(S, width): each segment's first ``held_count`` values of ``held`` (S, W), then its chunk's T
+    values (S, T) right after them (where the store appended the chunk), ``fill`` elsewhere."""
+    segments, t = chunk.shape
+    out = torch.full((segments, width), float(fill), device=chunk.device, dtype=chunk.dtype)
+    w = min(held.shape[1], width)
+    if w:
+        cols = torch.arange(w, device=chunk.device)[None, :]
+        out[:, :w] = torch.where(cols < held_count[:, None], held[:, :w], out[:, :w])
+    target = held_count[:, None] + torch.arange(t, device=chunk.device)[None, :]
+    return out.scatter_(1, target, chunk)
 
 
 class ChunkedCompression:
@@ -94,6 +107,9 @@ class ChunkedCompression:
         self.lengths = lengths  # (B,) each row's whole context: the final budget's length
         layers = cache.num_layers
         self.held_scores: list[torch.Tensor | None] = [None] * layers  # (S, W) raw scores of held entries
+        # (S, W) their projected value norms where the selection computed them (NaN elsewhere), or None:
+        # a value's norm does not change, so no later chunk computes it again
+        self.held_norms: list[torch.Tensor | None] = [None] * layers
         self.chunk_scores: list[torch.Tensor | None] = [None] * layers  # (B, H, T) raw scores of the chunk
         self.first_chunk: dict[int, tuple] = {}  # layer -> dense (key, value, positions) of the first chunk
         self.modules: list[torch.nn.Module | None] = [None] * layers
@@ -133,30 +149,28 @@ class ChunkedCompression:
         # own entries, read in place (the decode kernels are built for a few queries; a chunk has hundreds)
         return segmentwise_chunk_attention(query, cache.store[idx], cache.query_pos, scaling, WEIGHTS_PER_CALL)
 
-    def _candidates(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's candidates' positions (S, L) (-1: none) and raw scores (S, L), per segment: the
-        held entries, then the chunk's (appended after them in every segment, padding included)."""
+    def _candidates(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layer's candidates' positions (S, L) (-1: none), raw scores (S, L) and the projected value
+        norms already computed for them (S, L), NaN where not, or None), per segment: the held entries,
+        then the chunk's (appended after them in every segment, padding included)."""
         chunk = self.chunk_scores[idx]  # (B, H, T)
         bsz, heads, t = chunk.shape
         if idx in self.first_chunk:
             pos = self.first_chunk[idx][2]
             positions = pos[:, None, :].expand(bsz, heads, t).reshape(bsz * heads, t)
-            return positions, chunk.reshape(bsz * heads, t).masked_fill(positions < 0, float("-inf"))
+            return positions, chunk.reshape(bsz * heads, t).masked_fill(positions < 0, float("-inf")), None
         layer = self.cache.store[idx]
         index, live = layer.padded_index()
         positions = torch.index_select(layer.positions, 0, index.reshape(-1)).view(index.shape).long()
         positions = positions.masked_fill(~live, -1)
-        segments, width = positions.shape
         held_count = layer.length - t
-        scores = torch.full((segments, width), float("-inf"), device=positions.device)
-        held = self.held_scores[idx]
-        w = min(held.shape[1], width)
-        if w:
-            cols = torch.arange(w, device=positions.device)[None, :]
-            scores[:, :w] = torch.where(cols < held_count[:, None], held[:, :w], scores[:, :w])
-        target = held_count[:, None] + torch.arange(t, device=positions.device)[None, :]
-        scores.scatter_(1, target, chunk.reshape(segments, t))
-        return positions, scores.masked_fill(positions < 0, float("-inf"))
+        scores = held_then_chunk(self.held_scores[idx], held_count, chunk.reshape(-1, t), positions.shape[1], "-inf")
+        scores = scores.masked_fill(positions < 0, float("-inf"))
+        held_norms = self.held_norms[idx]
+        if held_norms is None:
+            return positions, scores, None
+        unknown = torch.full_like(chunk.reshape(-1, t), float("nan"))
+        return positions, scores, held_then_chunk(held_norms, held_count, unknown, positions.shape[1], "nan")
 
     def _keys_values(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's candidates' keys and values (S, L, D), aligned with :meth:`_candidates`."""
@@ -179,13 +193,16 @@ class ChunkedCompression:
         layer's candidate K/V exist at a time."""
         compressor = self.cache.compressor
         bsz, heads = self.chunk_scores[layers[0]].shape[:2]
-        positions, unions = zip(*(self._candidates(idx) for idx in layers))
+        positions, unions, known = zip(*(self._candidates(idx) for idx in layers))
         scores, budgets, row_window = compressor.union_budgets(positions, unions, seen, self.lengths, layers)
         for j, idx in enumerate(layers):
             keys, values = self._keys_values(idx)
             module = self.modules[idx]
-            keep = compressor.union_select(idx, module, scores[j], budgets[j], keys, values, seen, row_window)
+            keep, norms = compressor.union_select(
+                idx, module, scores[j], budgets[j], keys, values, seen, row_window, known[j]
+            )
             keep = keep.reshape(positions[j].shape) & (positions[j] >= 0)
             self.cache.store[idx] = store_from_segments(keys, values, positions[j], keep, bsz, heads)
             self.held_scores[idx] = kept_in_order(unions[j], keep)
+            self.held_norms[idx] = None if norms is None else kept_in_order(norms.reshape(keep.shape), keep, "nan")
             self.chunk_scores[idx] = None

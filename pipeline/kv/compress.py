@@ -194,9 +194,12 @@ class Compressor:
         held = [(ctx.key_pos >= 0).sum(-1) for ctx in contexts]  # (B, H_kv) candidates of each head
         return scores, [torch.minimum(b.to(h.device), h) for b, h in zip(budgets, held)], row_w
 
-    def union_select(self, idx, module, scores, budget, keys, values, seen, row_window) -> torch.Tensor:
+    def union_select(
+        self, idx, module, scores, budget, keys, values, seen, row_window, known_norms=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Which of one layer's candidates are kept: keys/values (S, L, D) per segment, scores from
-        :meth:`union_budgets`; returns keep (B, H_kv, L) bool."""
+        :meth:`union_budgets`, known_norms (S, L) projected value norms already computed (NaN where
+        not) or None; returns keep (B, H_kv, L) bool and the norms the selection knows (or None)."""
         bsz, heads, width = scores.shape
         dim = keys.shape[-1]
         ctx = LayerContext(
@@ -213,8 +216,10 @@ class Compressor:
             head_priors=self.head_priors,
             kvzap=self.kvzap,
             selection_weighs_values=self.selection.weighs_by_value_norm,
+            known_norms=None if known_norms is None else known_norms.view(bsz, heads, width),
         )
-        return self._select(ctx, scores, budget).keep
+        selected = self._select(ctx, scores, budget)
+        return selected.keep, selected.norms
 
     def _context(self, layer_idx: int, layer: PendingLayer) -> LayerContext:
         cfg = self.config

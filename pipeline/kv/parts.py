@@ -46,7 +46,9 @@ class LayerContext:
     projection(): the layer's W_O slices (float32, cached by the compressor);
     head_priors: (L, H_kv) HeadKV priors or None; kvzap: the learned scorer's weights and
     calibrated shares (:class:`~pipeline.kv.kvzap_model.KVzapModel`) or None;
-    selection_weighs_values: the method's selection declares :attr:`Selection.weighs_by_value_norm`.
+    selection_weighs_values: the method's selection declares :attr:`Selection.weighs_by_value_norm`;
+    known_norms: (B, H_kv, n) projected value norms already computed (NaN where not; a chunked
+    prefill's held entries) or None.
     """
 
     layer_idx: int
@@ -62,6 +64,7 @@ class LayerContext:
     head_priors: torch.Tensor | None = None
     kvzap: KVzapModel | None = None
     selection_weighs_values: bool = False
+    known_norms: torch.Tensor | None = None
 
 
 @dataclass

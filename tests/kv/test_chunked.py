@@ -262,3 +262,31 @@ def test_small_chunks_match_the_naive_reference(arch, method, chunk_budget):
         kept, ref_logits = chunked_reference(model, row, 12, 0.3, score_fn, chunk_budget)
         assert ours[b] == kept
         torch.testing.assert_close(logits[b], ref_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["criticalkv-kvzap", "criticalkv-shares-kvzap", "criticalkv-adakv-snapkv"])
+def test_held_entries_norms_are_reused_not_recomputed_and_change_nothing(method, monkeypatch):
+    """CriticalKV needs the projected value norms of the candidates; a held entry's norm was computed
+    when it was kept and its value has not changed since, so later chunks reuse it. The kept sets
+    equal those of a run that forgets every norm after each chunk, with fewer norms computed."""
+    from pipeline.kv import chunked
+
+    model = tiny_model("llama", seed=3)
+    rows = _rows(4)
+
+    def run():
+        compressor = _compressor(model, method, 0.3, chunk=8)
+        cache, _ = run_chunked(model, compressor, rows, 8)
+        return _kept(cache, model, rows), compressor.norm_stats.exact
+
+    reused, computed_reused = run()
+    original = chunked.kept_in_order
+
+    def forget_norms(values, keep, fill="-inf"):
+        moved = original(values, keep, fill)
+        return moved.fill_(float("nan")) if fill == "nan" else moved
+
+    monkeypatch.setattr(chunked, "kept_in_order", forget_norms)
+    forgotten, computed_forgotten = run()
+    assert reused == forgotten
+    assert computed_reused < computed_forgotten

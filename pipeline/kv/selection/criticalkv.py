@@ -47,16 +47,21 @@ def criticality_topk(
     norm: str,
     stats: NormStats | None = None,
     margin: float = 1.25,
+    known: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 2: per (row, head) pick the top ``k`` candidates by ``(s + eps) * m``.
 
     scores: (B, H, n) finite on candidates; value: (B, H, n, D); candidates: (B, H, n) bool;
-    k: (B, H) long. Returns (chosen (B, H, n) bool, norms (B, H, n) float32, NaN where m was
-    not computed). Ties go to the earlier position (deterministic, the same at any padding).
+    k: (B, H) long; known: (B, H, n) L1 norms already computed (NaN where not), not computed again.
+    Returns (chosen (B, H, n) bool, norms (B, H, n) float32, NaN where m was not computed). Ties go
+    to the earlier position (deterministic, the same at any padding).
     """
     stats = stats if stats is not None else NormStats()
     weight = scores.float().clamp(min=0) + epsilon
-    norms = torch.full(scores.shape, float("nan"), dtype=torch.float32, device=scores.device)
+    if known is not None and norm == "l1":
+        norms = known.float().clone()
+    else:
+        norms = torch.full(scores.shape, float("nan"), dtype=torch.float32, device=scores.device)
     neg_inf = torch.tensor(float("-inf"), device=scores.device)
     t0 = time.perf_counter()
     if norm == "l2":
@@ -70,12 +75,12 @@ def criticality_topk(
     bound = torch.where(need, weight * l1_upper_bounds(value, proj), neg_inf)
     first = topk_mask(bound, torch.ceil(k.double() * margin).long() + 8) & need
     t1 = time.perf_counter()
-    computed = norms_for_mask(value, proj, first, norms)
+    computed = norms_for_mask(value, proj, first & torch.isnan(norms), norms)
     crit = torch.where(first, weight * norms.nan_to_num(0.0), neg_inf)
     threshold = kth_largest(crit, k)  # (B, H)
     second = need & ~first & (bound >= threshold[..., None])
     if bool(second.any()):
-        computed += norms_for_mask(value, proj, second, norms)
+        computed += norms_for_mask(value, proj, second & torch.isnan(norms), norms)
         crit = torch.where(first | second, weight * norms.nan_to_num(0.0), neg_inf)
     stats.bound_s += t1 - t0
     stats.exact_s += time.perf_counter() - t1
@@ -95,8 +100,9 @@ def two_stage_select(
     epsilon: float,
     norm: str,
     stats: NormStats | None = None,
+    known: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CriticalKV selection for one layer.
+    """CriticalKV selection for one layer (``known``: norms already computed, see :func:`criticality_topk`).
 
     scores: (B, H, n) base scores (+inf window, -inf padding); head_budget: (B, H) long;
     row_window: (B,) long; value: (B, H, n, D). Returns (keep (B, H, n) bool, norms (B, H, n)).
@@ -109,7 +115,7 @@ def two_stage_select(
     candidates = valid & ~stage1
     k2 = head_budget - stage1.sum(-1)
     finite_scores = torch.where(candidates, scores, torch.zeros_like(scores))
-    stage2, norms = criticality_topk(finite_scores, value, proj, candidates, k2, epsilon, norm, stats)
+    stage2, norms = criticality_topk(finite_scores, value, proj, candidates, k2, epsilon, norm, stats, known=known)
     return stage1 | stage2, norms
 
 
@@ -130,4 +136,5 @@ class CriticalKV(Selection):
             config.epsilon,
             config.norm,
             stats,
+            ctx.known_norms,
         )
