@@ -18,7 +18,12 @@ what ``--full-caches`` full caches of these documents need (their question and a
   of ``--full-caches`` documents (the batch that fits the budget), the same prompt ids, greedy.
 
 Reported per side: wall seconds, generated tokens (EOS counted, as the output's column), tokens/s,
-documents/hour, the mean and largest decode batch and the largest KV bytes held (continuous sides).
+documents/hour, the mean and largest decode batch and the largest KV bytes held (continuous sides),
+and memory: the process' peak resident growth over the side's run and, for ours, the growth of one
+prefill of the longest document alone (its compressed cache included), measured just before. An
+actor's working memory should stay within the KV budget + that one prefill (the model is loaded
+before either is measured): the ``within`` column checks it. Run with ``MALLOC_MMAP_THRESHOLD_=65536``
+so that freed tensors leave the resident set (glibc otherwise keeps small blocks in its heap).
 Sides run one after another in one process; only ratios from one run are claims.
 """
 
@@ -38,7 +43,7 @@ from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
 from pipeline.kv.attention import register
 from pipeline.kv.config import CompressionConfig
-from roofline import header, table, write_report
+from roofline import PeakRSS, header, table, write_report
 
 HERE = Path(__file__).resolve().parent
 
@@ -61,9 +66,14 @@ def full_cache_bytes(engine: Engine, requests: list[Request]) -> int:
 
 def run_ours(engine: Engine, requests: list[Request]) -> dict:
     engine.model.set_attn_implementation(register())
-    t0 = time.perf_counter()
-    answers = engine.generate(requests)
-    wall = time.perf_counter() - t0
+    longest = max(requests, key=lambda r: len(r.context))
+    with PeakRSS() as prefill:
+        cache = engine.compress_context(longest)
+    del cache
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        answers = engine.generate(requests)
+        wall = time.perf_counter() - t0
     errors = [a.error for a in answers if a.error]
     if errors:
         raise RuntimeError(f"{len(errors)} answers failed, first: {errors[0]}")
@@ -75,6 +85,8 @@ def run_ours(engine: Engine, requests: list[Request]) -> dict:
         "largest_batch": stats.largest_batch if stats else engine.generation.batch_size,
         "largest_kv": stats.largest_bytes if stats else None,
         "kept": sum(a.kv_bytes_kept for a in answers) / sum(a.kv_bytes_full for a in answers),
+        "peak": mem.delta_bytes,
+        "prefill_peak": prefill.delta_bytes,
     }
 
 
@@ -82,27 +94,43 @@ def run_ours(engine: Engine, requests: list[Request]) -> dict:
 def run_transformers(engine: Engine, requests: list[Request], batch: int, new_tokens: int) -> dict:
     model = engine.model
     model.set_attn_implementation("sdpa")
-    pad = engine.decoder.pad_id
-    eos = sorted(engine.decoder.eos_ids)
-    tokens = 0
-    t0 = time.perf_counter()
-    for begin in range(0, len(requests), batch):
-        prompts = [engine.prompts.encode(r.context, r.questions) for r in requests[begin : begin + batch]]
-        seqs = [p.context_ids + p.question_ids[0] for p in prompts]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, seq in enumerate(seqs):
-            ids[b, width - len(seq) :], mask[b, width - len(seq) :] = torch.tensor(seq), 1
-        out = model.generate(
-            ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad, eos_token_id=eos
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        tokens = sum(
+            generate_batch(engine, requests[b : b + batch], new_tokens) for b in range(0, len(requests), batch)
         )
-        for row in out[:, width:].tolist():
-            ended = [i for i, t in enumerate(row) if t in eos]
-            tokens += ended[0] + 1 if ended else len(row)
-    wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
     model.set_attn_implementation(register())
-    return {"wall": wall, "tokens": tokens, "mean_batch": None, "largest_batch": batch, "largest_kv": None, "kept": 1.0}
+    return {
+        "wall": wall,
+        "tokens": tokens,
+        "mean_batch": None,
+        "largest_batch": batch,
+        "largest_kv": None,
+        "kept": 1.0,
+        "peak": mem.delta_bytes,
+        "prefill_peak": None,
+    }
+
+
+def generate_batch(engine: Engine, requests: list[Request], new_tokens: int) -> int:
+    """transformers' padded ``generate`` of one batch; returns the tokens generated (EOS counted)."""
+    pad, eos = engine.decoder.pad_id, sorted(engine.decoder.eos_ids)
+    prompts = [engine.prompts.encode(r.context, r.questions) for r in requests]
+    seqs = [p.context_ids + p.question_ids[0] for p in prompts]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, seq in enumerate(seqs):
+        ids[b, width - len(seq) :], mask[b, width - len(seq) :] = torch.tensor(seq), 1
+    out = engine.model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad, eos_token_id=eos
+    )
+    tokens = 0
+    for row in out[:, width:].tolist():
+        ended = [i for i, t in enumerate(row) if t in eos]
+        tokens += ended[0] + 1 if ended else len(row)
+    return tokens
 
 
 def engine_for(loaded, method: str, size: float, generation: GenerationConfig) -> Engine:
@@ -167,15 +195,25 @@ def report(args, budget: int, results: dict) -> str:
                 r["largest_batch"],
                 "-" if r["largest_kv"] is None else f"{r['largest_kv'] / 2**20:.1f}",
                 f"{r['kept']:.2f}",
+                *memory_cells(r, budget),
             ]
         )
     columns = ["side", "wall s", "generated tokens", "tokens/s", "÷ ours full", "÷ transformers", "docs/hour"]
     columns += ["mean decode batch", "largest batch", "largest KV MiB", "kept ÷ full"]
+    columns += ["peak MiB", "one prefill MiB", "within budget + prefill"]
     title = (
         f"Throughput at one KV budget: {args.docs} documents of {args.length} tokens, "
         f"{args.new_tokens} new tokens, budget {budget / 2**20:.1f} MiB ({args.full_caches} full caches)"
     )
-    return header(title) + "\n\n" + table(columns, rows, "l" + "r" * 10) + "\n"
+    return header(title) + "\n\n" + table(columns, rows, "l" + "r" * 13) + "\n"
+
+
+def memory_cells(result: dict, budget: int) -> list[str]:
+    """Peak growth, one prefill's growth, and whether the first stays within the budget plus the second."""
+    peak, prefill = result["peak"], result["prefill_peak"]
+    cells = ["-" if peak is None else f"{peak / 2**20:.0f}", "-" if prefill is None else f"{prefill / 2**20:.0f}"]
+    within = "-" if peak is None or prefill is None else ("yes" if peak <= budget + prefill else "**no**")
+    return cells + [within]
 
 
 def plot(results: dict, args, budget: int, path: str) -> None:

@@ -232,3 +232,12 @@ def test_throughput_plot_draws_every_side(tmp_path):
     path = tmp_path / "plot" / "throughput.png"
     throughput.plot(results, args, 200 * 2**20, str(path))
     assert path.stat().st_size > 5000
+
+
+def test_throughput_checks_the_peak_against_the_budget_plus_one_prefill():
+    import throughput
+
+    mib = 2**20
+    assert throughput.memory_cells({"peak": 150 * mib, "prefill_peak": 60 * mib}, 100 * mib) == ["150", "60", "yes"]
+    assert throughput.memory_cells({"peak": 170 * mib, "prefill_peak": 60 * mib}, 100 * mib) == ["170", "60", "**no**"]
+    assert throughput.memory_cells({"peak": 90 * mib, "prefill_peak": None}, 100 * mib) == ["90", "-", "-"]
