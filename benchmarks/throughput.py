@@ -6,8 +6,9 @@ continuous decode batch, and plain transformers, side by side in one run.
                                     [--out docs/results/benchmarks/throughput.md]
 
 Every side answers the same ``--docs`` documents of ``--length`` tokens (built-in sample text) with
-one instruction each ("summarize", at most ``--new-tokens`` greedy tokens). The KV memory budget is
-what ``--full-caches`` full caches of these documents need (their question and answer included):
+one instruction each (``--question``, by default "summarize"; at most ``--new-tokens`` greedy tokens).
+The KV memory budget is what ``--full-caches`` full caches of these documents need (their question and
+answer included):
 
 * **ours continuous**: ``Engine.generate`` with ``kv_memory`` = the budget (documents prefilled one
   at a time, decoded together while they fit, rows leaving as they end;
@@ -50,9 +51,9 @@ HERE = Path(__file__).resolve().parent
 INSTRUCTION = "Summarize the document in a few sentences."
 
 
-def documents(tokenizer, count: int, length: int) -> list[Request]:
+def documents(tokenizer, count: int, length: int, question: str = INSTRUCTION) -> list[Request]:
     return [
-        Request(f"doc{i}", tokenizer.decode(context_ids(tokenizer, length, seed=101 * i)[0]), [INSTRUCTION])
+        Request(f"doc{i}", tokenizer.decode(context_ids(tokenizer, length, seed=101 * i)[0]), [question])
         for i in range(count)
     ]
 
@@ -143,6 +144,12 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=8)
     p.add_argument("--length", type=int, default=2048, help="context tokens per document")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--question",
+        default=INSTRUCTION,
+        help="what each document is asked (default: the summary instruction; a short question with a small "
+        "--new-tokens measures the QA job's case)",
+    )
     p.add_argument("--full-caches", type=int, default=4, help="the KV budget: this many full caches")
     p.add_argument("--methods", default="criticalkv-shares-kvzap", help="compressed methods, comma-separated")
     p.add_argument("--cache-sizes", default="0.2,0.4")
@@ -151,7 +158,7 @@ def main() -> None:
     args = p.parse_args()
     loaded = load_model(ModelConfig(name="smollm2"))
     probe = Engine(loaded, CompressionConfig(), GenerationConfig(max_new_tokens=args.new_tokens))
-    requests = documents(loaded.tokenizer, args.docs, args.length)
+    requests = documents(loaded.tokenizer, args.docs, args.length, args.question)
     budget = args.full_caches * full_cache_bytes(probe, requests)
     continuous = GenerationConfig(
         max_new_tokens=args.new_tokens, batch_size=args.docs, kv_memory=budget / 2**20, end_at_sentence=False
@@ -205,7 +212,8 @@ def report(args, budget: int, results: dict) -> str:
         f"Throughput at one KV budget: {args.docs} documents of {args.length} tokens, "
         f"{args.new_tokens} new tokens, budget {budget / 2**20:.1f} MiB ({args.full_caches} full caches)"
     )
-    return header(title) + "\n\n" + table(columns, rows, "l" + "r" * 13) + "\n"
+    asked = f"\n- each document is asked: {getattr(args, 'question', INSTRUCTION)!r}"
+    return header(title) + asked + "\n\n" + table(columns, rows, "l" + "r" * 13) + "\n"
 
 
 def memory_cells(result: dict, budget: int) -> list[str]:
