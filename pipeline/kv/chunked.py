@@ -28,7 +28,8 @@ Per chunk k (positions [k*C, (k+1)*C) of every row; rows that already ended are 
 
    A cross-layer allocation (``layer``) decides over every layer's union at once: what it holds is
    the compressed cache plus one chunk per layer. The kept entries are copied into an exactly sized
-   store and the raw scores of what was kept are remembered for the next chunk.
+   store and the raw scores of what was kept are remembered for the next chunk, as are the projected
+   value norms a selection computed for them (CriticalKV's; a value's norm never changes).
 
 A score is the one computed when its entry's chunk went through the model: exact for scorers whose
 score of an entry depends on that entry alone (``kvzap``, ``streamingllm``); ``knorm`` normalises
@@ -151,8 +152,8 @@ class ChunkedCompression:
 
     def _candidates(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The layer's candidates' positions (S, L) (-1: none), raw scores (S, L) and the projected value
-        norms already computed for them (S, L), NaN where not, or None), per segment: the held entries,
-        then the chunk's (appended after them in every segment, padding included)."""
+        norms already computed for them ((S, L), NaN where not; None when none are), per segment: the
+        held entries, then the chunk's (appended after them in every segment, padding included)."""
         chunk = self.chunk_scores[idx]  # (B, H, T)
         bsz, heads, t = chunk.shape
         if idx in self.first_chunk:
