@@ -212,7 +212,7 @@ def report(args, budget: int, results: dict) -> str:
         f"Throughput at one KV budget: {args.docs} documents of {args.length} tokens, "
         f"{args.new_tokens} new tokens, budget {budget / 2**20:.1f} MiB ({args.full_caches} full caches)"
     )
-    asked = f"\n- each document is asked: {getattr(args, 'question', INSTRUCTION)!r}"
+    asked = f"\n- each document is asked: {args.question!r}"
     return header(title) + asked + "\n\n" + table(columns, rows, "l" + "r" * 13) + "\n"
 
 

@@ -47,7 +47,7 @@ class CommandLineConfig(BaseModel):
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:
         """(help group title, field names) in help order; the default: one group of every field."""
-        return [(model_title(cls), list(cls.model_fields))]
+        return one_group(cls)
 
     @classmethod
     def cli_aliases(cls) -> dict[str, tuple[Any, str, Callable[[Any], dict]]]:
@@ -56,9 +56,9 @@ class CommandLineConfig(BaseModel):
         return {}
 
 
-def model_title(model: type[BaseModel]) -> str:
-    """The first line of the model's docstring (its help group title), else its name."""
-    return (model.__doc__ or model.__name__).strip().splitlines()[0].rstrip(".")
+def one_group(model: type[BaseModel]) -> list[tuple[str, list[str]]]:
+    """Every field of ``model`` in one help group, titled by the first line of its docstring (else its name)."""
+    return [((model.__doc__ or model.__name__).strip().splitlines()[0].rstrip("."), list(model.model_fields))]
 
 
 def _layout(model: type[BaseModel]) -> type[CommandLineConfig]:
@@ -177,7 +177,7 @@ def collect_options(
     """(group title, options) for ``model``'s fields, recursing into nested config models, laid out
     as the model declares (:class:`CommandLineConfig`)."""
     declared = _layout(model)
-    layout = declared.option_groups() if declared is model else [(model_title(model), list(model.model_fields))]
+    layout = model.option_groups() if declared is model else one_group(model)
     groups: list[tuple[str, list[Option]]] = []
     for index, (group_title, names) in enumerate(layout):
         own: list[Option] = []
