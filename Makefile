@@ -36,7 +36,7 @@ test-all: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks.run_all
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

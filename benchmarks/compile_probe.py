@@ -1,7 +1,7 @@
 """Does ``torch.compile`` speed up SmolLM2's decode step on this machine? Measured on transformers' own
 compile-ready path, so that the answer does not depend on this project's cache.
 
-    python benchmarks/compile_probe.py [--length 2048] [--steps 12] [--mode default]
+    python -m benchmarks.compile_probe [--length 2048] [--steps 12] [--mode default]
                                        [--model smollm2] [--dtype float32] [--backend inductor]
                                        [--weight-layout auto] [--inductor-flags freezing,cpp_wrapper]
                                        [--out benchmarks/results/compile_probe.md]
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from transformers import StaticCache
 
+from benchmarks.roofline import RESULTS_DIR, header, table, write_report
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.loading import load_model
-from roofline import RESULTS_DIR, header, table, write_report
 
 HERE = Path(__file__).resolve().parent
 
@@ -60,7 +60,7 @@ def load(name: str, dtype: str, weight_layout: str):
     if name == "smollm2":
         loaded = load_model(ModelConfig(name="smollm2", dtype=dtype, weight_layout=weight_layout))
         return loaded.model, loaded.device
-    import gpu_check
+    from benchmarks import gpu_check
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = gpu_check.LLAMA_31_8B if name == "random-llama-8b" else gpu_check.SMOKE

@@ -6,14 +6,14 @@ Prints, measured side by side in one run with interleaved repeats (medians):
 2. kept KV bytes / full KV bytes for criticalkv-snapkv and criticalkv-adakv-snapkv at 0.2 / 0.4;
 3. decode ms/token at 4K, compressed (0.2) vs full cache.
 
-Usage: python benchmarks/compression.py [--lengths 2048,4096] [--repeats 3] [--decode-steps 24]
+Usage: python -m benchmarks.compression [--lengths 2048,4096] [--repeats 3] [--decode-steps 24]
 """
 
 from __future__ import annotations
 
 import argparse
 
-from common import context_ids, decode_ms_per_token, load_smollm2, machine, median, prefill
+from benchmarks.common import context_ids, decode_ms_per_token, load_smollm2, machine, median, prefill
 from pipeline.kv.config import CompressionConfig
 
 PREFILL_METHODS = {

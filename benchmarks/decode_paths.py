@@ -1,6 +1,6 @@
 """Decode step of today's CPU path against the previous one, side by side, with identical tokens.
 
-    python benchmarks/decode_paths.py [--lengths 2048,8192] [--steps 24] [--repeats 3]
+    python -m benchmarks.decode_paths [--lengths 2048,8192] [--steps 24] [--repeats 3]
                                       [--cache-size 0.2] [--out benchmarks/results/decode_paths.md]
 
 Paths (switches, both in the library):
@@ -31,14 +31,8 @@ from pathlib import Path
 
 import torch
 
-from common import context_ids, load_smollm2
-from pipeline.engine.loading import apply_weight_layout
-from pipeline.kv.cache import VarLenCache, run_chunk
-from pipeline.kv.compress import Compressor
-from pipeline.kv.config import CompressionConfig
-from pipeline.kv.rope import model_rotary
-from pipeline.kv.varlen_kernels import DENSE_ENV, RAGGED_ENV
-from roofline import (
+from benchmarks.common import context_ids, load_smollm2
+from benchmarks.roofline import (
     RESULTS_DIR,
     decode_bound_s,
     header,
@@ -48,6 +42,12 @@ from roofline import (
     table,
     write_report,
 )
+from pipeline.engine.loading import apply_weight_layout
+from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.compress import Compressor
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.rope import model_rotary
+from pipeline.kv.varlen_kernels import DENSE_ENV, RAGGED_ENV
 
 HERE = Path(__file__).resolve().parent
 

@@ -14,7 +14,7 @@ runs:
 
 A PNG (decode ms/token and KV MiB vs context, with bounds) goes to ``--plot``.
 
-Usage: python benchmarks/full_cache_scaling.py [--lengths 1024,2048,4096,8192] [--repeats 3]
+Usage: python -m benchmarks.full_cache_scaling [--lengths 1024,2048,4096,8192] [--repeats 3]
        [--prefill-repeats 1] [--decode-steps 16] [--cache-size 0.2]
        [--out benchmarks/results/full_cache_scaling.md] [--plot benchmarks/results/full_cache_scaling.png]
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from roofline import (
+from benchmarks.roofline import (
     RESULTS_DIR,
     PeakRSS,
     decode_bound_s,
@@ -61,7 +61,7 @@ def measure_length(model, ids: torch.Tensor, cfgs: dict, repeats: int, prefill_r
 
     Returns {name: {"prefill_s": [...], "peak_rss": [...], "decode_ms": [...], "kv_bytes", "kv_entries"}}.
     """
-    from common import decode_ms_per_token, prefill
+    from benchmarks.common import decode_ms_per_token, prefill
 
     n = ids.shape[1]
     out = {name: {"prefill_s": [], "compress_s": [], "peak_rss": [], "decode_ms": []} for name in cfgs}
@@ -135,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from common import context_ids, load_smollm2
+    from benchmarks.common import context_ids, load_smollm2
 
     lines: list[str] = []
 
@@ -239,7 +239,7 @@ def emit_growth(emit, lengths, names, series, shape, limits) -> None:
 
 def warm_up(model, cfgs: dict, tok) -> None:
     """One short prefill + decode per config (first-call overheads out of the timings)."""
-    from common import context_ids, decode_ms_per_token, prefill
+    from benchmarks.common import context_ids, decode_ms_per_token, prefill
 
     ids = context_ids(tok, 256)
     for cfg in cfgs.values():

@@ -2,8 +2,8 @@
 
 Run by ``benchmarks/gpu_check.sh`` (which first runs the compression tests on CUDA); usable alone:
 
-    python benchmarks/gpu_check.py                  # CUDA: 8K and 32K tokens, bf16, ~2-4 min on one big GPU
-    python benchmarks/gpu_check.py --smoke          # tiny model and lengths; runs on CPU too
+    python -m benchmarks.gpu_check                  # CUDA: 8K and 32K tokens, bf16, ~2-4 min on one big GPU
+    python -m benchmarks.gpu_check --smoke          # tiny model and lengths; runs on CPU too
 
 What it measures, with CUDA-synchronised timing (``torch.cuda.synchronize`` before every clock
 read) and methods interleaved within each repeat (medians):
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_check_report import markdown
+from benchmarks.gpu_check_report import markdown
 from pipeline.kv.attention import register
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor

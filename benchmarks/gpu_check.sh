@@ -149,7 +149,7 @@ BENCH_BUDGET=$((LEFT - 45))       # stop starting measurements with time left to
 echo "== benchmark (budget ${BENCH_BUDGET}s to start measurements, hard limit ${LEFT}s)"
 BENCH_ARGS=(--budget-s "$BENCH_BUDGET")
 if [ -n "$OUT" ]; then BENCH_ARGS+=(--out "$OUT"); fi
-timeout --signal=INT --kill-after=15 "$LEFT" "$PYTHON" benchmarks/gpu_check.py "${BENCH_ARGS[@]}" ${PASS[@]+"${PASS[@]}"}
+timeout --signal=INT --kill-after=15 "$LEFT" "$PYTHON" -m benchmarks.gpu_check "${BENCH_ARGS[@]}" ${PASS[@]+"${PASS[@]}"}
 BENCH_RC=$?
 
 # ---- 4. compiled vs eager decode ---------------------------------------------------------------
@@ -162,7 +162,7 @@ if [ "$COMPILE_BUDGET" -gt 0 ]; then
         COMPILE_ARGS=(--model random-llama-8b --dtype bfloat16 --length 8192 --steps 12 --mode reduce-overhead)
     fi
     echo "== compile probe (at most ${COMPILE_BUDGET}s): ${COMPILE_ARGS[*]}"
-    timeout --signal=INT --kill-after=15 "$COMPILE_BUDGET" "$PYTHON" benchmarks/compile_probe.py \
+    timeout --signal=INT --kill-after=15 "$COMPILE_BUDGET" "$PYTHON" -m benchmarks.compile_probe \
         "${COMPILE_ARGS[@]}" --out "${OUT:-/tmp}/compile_probe.md"
     COMPILE_RC=$?
     COMPILE_SUMMARY="exit status $COMPILE_RC"

@@ -1,7 +1,7 @@
 """What each compression method costs at prefill: time (scoring and compression included) over the
 plain prefill, peak memory above the process' level before the prefill, and kept bytes.
 
-    python benchmarks/method_costs.py [--lengths 2048,4096] [--repeats 3] [--cache-size 0.2]
+    python -m benchmarks.method_costs [--lengths 2048,4096] [--repeats 3] [--cache-size 0.2]
                                       [--methods none,snapkv,kvzap[prefill_chunk=1024],...]
                                       [--out benchmarks/results/method_costs.md]
 
@@ -33,7 +33,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-from common import context_ids
+from benchmarks.common import context_ids
+from benchmarks.roofline import PeakRSS, header, median, parse_ints, table
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
@@ -41,7 +42,6 @@ from pipeline.engine.types import Request
 from pipeline.eval.sweep import parse_variant
 from pipeline.kv.config import CompressionConfig
 from pipeline.options import split_top_level
-from roofline import PeakRSS, header, median, parse_ints, table
 
 HERE = Path(__file__).resolve().parent
 

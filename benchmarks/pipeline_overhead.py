@@ -1,6 +1,6 @@
 """Wall-time overhead of the Ray pipeline over a plain Python loop on the same documents.
 
-    python benchmarks/pipeline_overhead.py [--docs 4] [--words 800] [--repeats 3] [--model smollm2]
+    python -m benchmarks.pipeline_overhead [--docs 4] [--words 800] [--repeats 3] [--model smollm2]
 
 Both sides answer the same N built-in QA documents with the same model, method and decoding:
 

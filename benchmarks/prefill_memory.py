@@ -1,6 +1,6 @@
 """Peak resident memory of one document, ours vs transformers' DynamicCache, with where it peaks.
 
-    python benchmarks/prefill_memory.py [--lengths 2048,4096] [--methods none,kvzap[prefill_chunk=1024]]
+    python -m benchmarks.prefill_memory [--lengths 2048,4096] [--methods none,kvzap[prefill_chunk=1024]]
                                         [--repeats 3 | 3,3,1] [--plot peaks.png]
 
 For each length and side, a fresh Python process loads SmolLM2 (fp32, CPU), answers one short and
@@ -38,8 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.roofline import header, parse_ints, table
 from pipeline.options import split_top_level
-from roofline import header, parse_ints, table
 
 HERE = Path(__file__).resolve().parent
 
@@ -118,7 +118,7 @@ def transformers_side(engine, text: str, new_tokens: int):
 
 def measure(engine, side: str, n_tokens: int, new_tokens: int) -> dict:
     """Warm up, then measure one ``n_tokens`` document on ``side`` ('ours' or 'transformers')."""
-    from common import context_ids
+    from benchmarks.common import context_ids
 
     tokenizer, model = engine.tokenizer, engine.model
     ids = context_ids(tokenizer, n_tokens)[0].tolist()
@@ -155,13 +155,13 @@ def worker(args) -> None:
 
 def run_worker(args, side: str, n_tokens: int) -> dict:
     """One measurement in a fresh process (its own heap, so earlier documents cannot lend it memory)."""
-    cmd = [sys.executable, __file__, "--worker", "--side", side, "--length", str(n_tokens)]
+    cmd = [sys.executable, "-m", "benchmarks.prefill_memory", "--worker", "--side", side, "--length", str(n_tokens)]
     cmd += ["--new-tokens", str(args.new_tokens), "--model", args.model, "--threads", str(args.threads)]
     cmd += ["--cache-size", str(args.cache_size)]
     env = dict(os.environ)
     if args.mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE.parent)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} at {n_tokens} tokens failed:\n{proc.stderr[-2000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))

@@ -1,6 +1,6 @@
 """A ragged cache's decode step, flat kernel against blocked, next to a uniform cache of the same size.
 
-    python benchmarks/ragged_decode.py [--lengths 2048,4096,8192] [--steps 36] [--cache-size 0.2]
+    python -m benchmarks.ragged_decode [--lengths 2048,4096,8192] [--steps 36] [--cache-size 0.2]
                                        [--out benchmarks/results/ragged_decode.md]
 
 For each context length, SmolLM2 prefills the same ids twice: into a ragged cache
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from common import context_ids, load_smollm2, prefill
+from benchmarks.common import context_ids, load_smollm2, prefill
+from benchmarks.roofline import RESULTS_DIR, header, parse_ints, table, write_report
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.varlen_kernels import KernelChoice
-from roofline import RESULTS_DIR, header, parse_ints, table, write_report
 
 HERE = Path(__file__).resolve().parent
 

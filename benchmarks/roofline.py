@@ -21,7 +21,7 @@ Bounds derived from them:
 * prefill: 2 FLOP per non-embedding weight per token + causal attention (2 * n^2 * D * H_q per
   layer) + LM head for one token, over the matmul rate.
 
-Usage: python benchmarks/roofline.py [--repeats 7] [--bandwidth-mib 512] [--matmul-n 2048]
+Usage: python -m benchmarks.roofline [--repeats 7] [--bandwidth-mib 512] [--matmul-n 2048]
 """
 
 from __future__ import annotations

@@ -2,24 +2,26 @@
 
 Runs, one after another with this Python (``make bench`` = this script, full sizes):
 
-1. ``roofline.py``            this machine's memory bandwidth and fp32 matmul throughput
-2. ``compression.py``         CriticalKV vs SnapKV prefill cost, kept bytes, decode (compression core)
-3. ``pipeline_overhead.py``   Ray pipeline vs plain loop (skipped if the script is absent)
-4. ``vs_kvpress.py``          side by side with kvpress 0.5.5 (creates its venv on first use)
-5. ``full_cache_scaling.py``  full cache vs criticalkv-adakv-snapkv as the context grows
-6. ``decode_paths.py``        the decode step: previous CPU path vs current, identical tokens
-7. ``ragged_decode.py``       a ragged cache's decode step, flat vs blocked kernel, vs a uniform cache
-8. ``compile_probe.py``       torch.compile of transformers' static-cache decode step vs eager
-9. ``prefill_memory.py``      peak RSS of one document, ours vs transformers' DynamicCache
+1. ``roofline``               this machine's memory bandwidth and fp32 matmul throughput
+2. ``compression``            CriticalKV vs SnapKV prefill cost, kept bytes, decode (compression core)
+3. ``pipeline_overhead``      Ray pipeline vs plain loop (skipped if the module is absent)
+4. ``kvpress.vs_kvpress``     side by side with kvpress 0.5.5 (creates its venv on first use)
+5. ``full_cache_scaling``     full cache vs criticalkv-adakv-snapkv as the context grows
+6. ``decode_paths``           the decode step: previous CPU path vs current, identical tokens
+7. ``ragged_decode``          a ragged cache's decode step, flat vs blocked kernel, vs a uniform cache
+8. ``compile_probe``          torch.compile of transformers' static-cache decode step vs eager
+9. ``prefill_memory``         peak RSS of one document, ours vs transformers' DynamicCache
 
 Each script's stdout is shown live and saved to ``benchmarks/results/<name>.md`` (``--quick``:
 ``benchmarks/results/quick/``); everything is
 also concatenated into ``benchmarks/results/ALL.md``. A failing script does not stop the others;
 the exit status is non-zero if any failed. Sizes: ``--quick`` uses small contexts and one repeat (a
 few minutes on 2 cores; for checking that everything runs, not for numbers). Flags are passed to
-a script only if its ``--help`` lists them. ``benchmarks/gpu_check.sh`` (GPU machines) is separate.
+a module only if its ``--help`` lists them. ``benchmarks/gpu_check.sh`` (GPU machines) is separate.
 
-Usage: python benchmarks/run_all.py [--quick] [--only vs_kvpress,full_cache_scaling] [--results DIR]
+Each runs as ``python -m benchmarks.<module>`` from the repository root.
+
+Usage: python -m benchmarks.run_all [--quick] [--only vs_kvpress,full_cache_scaling] [--results DIR]
 """
 
 from __future__ import annotations
@@ -32,9 +34,20 @@ import sys
 import time
 from pathlib import Path
 
-from roofline import RESULTS_DIR, header
+from benchmarks.roofline import RESULTS_DIR, header
 
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
+#: a benchmark's name (``--only``, the results file) -> its module, run with ``python -m``
+MODULES = {"vs_kvpress": "benchmarks.kvpress.vs_kvpress"}
+
+
+def module_of(name: str) -> str:
+    return MODULES.get(name, f"benchmarks.{name}")
+
+
+def module_exists(name: str) -> bool:
+    return (REPO / (module_of(name).replace(".", "/") + ".py")).is_file()
+
 
 FULL = {
     "roofline": {},
@@ -85,8 +98,10 @@ QUICK = {
 }
 
 
-def supported_flags(script: Path) -> str:
-    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
+def supported_flags(name: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", module_of(name), "--help"], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     return proc.stdout
 
 
@@ -94,13 +109,13 @@ def has_flag(help_text: str, flag: str) -> bool:
     return re.search(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])", help_text) is not None
 
 
-def build_command(script: Path, wanted: dict, results: Path) -> list[str]:
-    help_text = supported_flags(script)
-    cmd = [sys.executable, str(script)]
+def build_command(name: str, wanted: dict, results: Path) -> list[str]:
+    help_text = supported_flags(name)
+    cmd = [sys.executable, "-m", module_of(name)]
     for flag, value in wanted.items():
         if has_flag(help_text, flag):
             cmd += [flag, value]
-    if script.stem == "full_cache_scaling" and has_flag(help_text, "--plot"):
+    if name == "full_cache_scaling" and has_flag(help_text, "--plot"):
         cmd += ["--plot", str(results / "full_cache_scaling.png")]
     return cmd
 
@@ -108,7 +123,7 @@ def build_command(script: Path, wanted: dict, results: Path) -> list[str]:
 def run(cmd: list[str], log_path: Path) -> tuple[int, float]:
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, cwd=HERE.parent)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, cwd=REPO)
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -130,11 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     status = []
     started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     for name in names:
-        script = HERE / f"{name}.py"
-        if not script.is_file():
+        if not module_exists(name):
             status.append((name, "absent (skipped)", 0.0))
             continue
-        cmd = build_command(script, preset.get(name, {}), results)
+        cmd = build_command(name, preset.get(name, {}), results)
         print(f"\n\n<!-- {' '.join(cmd)} -->\n", flush=True)
         code, seconds = run(cmd, results / f"{name}.md")
         status.append((name, "ok" if code == 0 else f"FAILED (exit {code})", seconds))

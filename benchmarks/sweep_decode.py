@@ -1,6 +1,6 @@
 """Compression sweeps: compressed settings decoded side by side (stacked caches) vs one at a time.
 
-    python benchmarks/sweep_decode.py [--length 2048] [--groups 1,8] [--repeats 2] [--new-tokens 24]
+    python -m benchmarks.sweep_decode [--length 2048] [--groups 1,8] [--repeats 2] [--new-tokens 24]
                                       [--methods snapkv,criticalkv-adakv-snapkv,...] [--cache-sizes 0.1,0.2,0.4]
 
 SmolLM2 fp32 on CPU, ``Engine.generate_sweep`` over one document of ``--length`` tokens: every
@@ -15,13 +15,13 @@ import argparse
 import time
 from pathlib import Path
 
-from common import context_ids
+from benchmarks.common import context_ids
+from benchmarks.roofline import header, median, parse_ints, table
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
 from pipeline.kv.config import CompressionConfig
-from roofline import header, median, parse_ints, table
 
 HERE = Path(__file__).resolve().parent
 

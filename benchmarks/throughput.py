@@ -1,7 +1,7 @@
 """Throughput of one actor at the same KV memory budget: the full cache, compressed caches in the
 continuous decode batch, and plain transformers, side by side in one run.
 
-    python benchmarks/throughput.py [--docs 8] [--length 2048] [--new-tokens 64] [--full-caches 4]
+    python -m benchmarks.throughput [--docs 8] [--length 2048] [--new-tokens 64] [--full-caches 4]
                                     [--methods none,criticalkv-shares-kvzap] [--cache-sizes 0.2,0.4]
                                     [--out docs/results/benchmarks/throughput.md]
 
@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from common import context_ids
+from benchmarks.common import context_ids
+from benchmarks.roofline import PeakRSS, header, table, write_report
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.continuous import ContinuousBatch
 from pipeline.engine.engine import Engine
@@ -44,7 +45,6 @@ from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
 from pipeline.kv.attention import register
 from pipeline.kv.config import CompressionConfig
-from roofline import PeakRSS, header, table, write_report
 
 HERE = Path(__file__).resolve().parent
 

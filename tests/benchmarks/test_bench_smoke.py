@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks import roofline
+from benchmarks.full_cache_scaling import configs, measure_length
+
 # the benchmark modules import by name: pytest puts benchmarks/ on the path (pyproject: pythonpath)
-import kvpress_common
-import kvpress_faithfulness
-import kvpress_ours
-import roofline
-import vs_kvpress
-from full_cache_scaling import configs, measure_length
+from benchmarks.kvpress import common as kvpress_common
+from benchmarks.kvpress import faithfulness as kvpress_faithfulness
+from benchmarks.kvpress import ours as kvpress_ours
+from benchmarks.kvpress import vs_kvpress
+from benchmarks.run_all import has_flag
 from pipeline.kv.attention import register
-from run_all import has_flag
 from tests.tiny import tiny_loaded, tiny_model
 
 
@@ -134,7 +135,7 @@ def test_run_all_flag_filter():
 
 
 def test_method_costs_measure_on_tiny_model():
-    import method_costs
+    from benchmarks import method_costs
     from pipeline.engine.config import GenerationConfig
     from pipeline.engine.engine import Engine
     from pipeline.kv.config import CompressionConfig
@@ -164,7 +165,7 @@ def test_method_costs_measure_on_tiny_model():
 
 
 def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
-    import decode_paths
+    from benchmarks import decode_paths
 
     monkeypatch.setenv(decode_paths.DENSE_ENV, "")
     monkeypatch.setenv(decode_paths.RAGGED_ENV, "")
@@ -184,7 +185,7 @@ def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
 
 
 def test_ragged_decode_interleaves_both_kernels_on_one_cache(tiny, monkeypatch):
-    import ragged_decode
+    from benchmarks import ragged_decode
     from pipeline.kv.varlen_kernels import RAGGED_ENV
 
     monkeypatch.setenv(RAGGED_ENV, "")
@@ -196,7 +197,7 @@ def test_ragged_decode_interleaves_both_kernels_on_one_cache(tiny, monkeypatch):
 
 @pytest.mark.parametrize("side", ["ours", "transformers"])
 def test_prefill_memory_samples_a_peak_inside_the_model(side):
-    import prefill_memory
+    from benchmarks import prefill_memory
     from pipeline.engine.config import GenerationConfig, ModelConfig
     from pipeline.kv.config import CompressionConfig
     from tests.distributed.helpers import tiny_engine
@@ -208,7 +209,7 @@ def test_prefill_memory_samples_a_peak_inside_the_model(side):
 
 
 def test_memory_plot_draws_one_line_per_side(tmp_path):
-    import prefill_memory
+    from benchmarks import prefill_memory
 
     curves = {"none": [(2048, 150.0), (4096, 260.0)], "kvzap[prefill_chunk=1024]": [(2048, 60.0), (4096, 70.0)]}
     prefill_memory.plot_curves({"transformers": curves["none"], **curves}, 0.2, str(tmp_path / "b.png"))
@@ -216,7 +217,7 @@ def test_memory_plot_draws_one_line_per_side(tmp_path):
 
 
 def test_throughput_plot_draws_every_side(tmp_path):
-    import throughput
+    from benchmarks import throughput
 
     results = {
         "transformers DynamicCache, batch 2": {"wall": 10.0, "tokens": 80, "mean_batch": None, "largest_batch": 2},
@@ -235,7 +236,7 @@ def test_throughput_plot_draws_every_side(tmp_path):
 
 
 def test_throughput_checks_the_peak_against_the_budget_plus_one_prefill():
-    import throughput
+    from benchmarks import throughput
 
     mib = 2**20
     assert throughput.memory_cells({"peak": 150 * mib, "prefill_peak": 60 * mib}, 100 * mib) == ["150", "60", "yes"]

@@ -1,12 +1,12 @@
-"""Our side of ``benchmarks/vs_kvpress.py``: the Engine with kvpress-matched settings, the exact token
+"""Our side of ``benchmarks/kvpress/vs_kvpress.py``: the Engine with kvpress-matched settings, the exact token
 ids it prefills (handed to the kvpress side), and one timed run over documents."""
 
 from __future__ import annotations
 
 import time
 
-from kvpress_faithfulness import matched_config
-from roofline import PeakRSS
+from benchmarks.kvpress.faithfulness import matched_config
+from benchmarks.roofline import PeakRSS
 
 
 def make_engine(loaded, method: str, cache_size: float, new_tokens: int, batch_size: int = 1):

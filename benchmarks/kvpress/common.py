@@ -1,5 +1,5 @@
-"""Shared by the kvpress comparison (``benchmarks/vs_kvpress.py``): the kvpress virtual environment
-(made on first use, guarded by a lock), the client of the kvpress process (``kvpress_side.py``),
+"""Shared by the kvpress comparison (``benchmarks/kvpress/vs_kvpress.py``): the kvpress virtual environment
+(made on first use, guarded by a lock), the client of the kvpress process (``benchmarks/kvpress/side.py``),
 the matched method names and settings, and the Markdown report writer."""
 
 from __future__ import annotations
@@ -15,16 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-
+REPO = Path(__file__).resolve().parents[2]
+SIDE_MODULE = "benchmarks.kvpress.side"  # run with -m from the repository root (REPO)
 TORCH_VERSION = "2.13.0"
 
 
 KVPRESS_REQUIREMENTS = ["kvpress==0.5.5", "transformers==5.2.0", "pandas<3"]
-
-
-SIDE_SCRIPT = HERE / "kvpress_side.py"
 
 
 METHODS_UNIFORM = ("snapkv", "criticalkv-snapkv")
@@ -130,7 +126,7 @@ def ensure_kvpress_venv(venv: Path | None = None, log=None) -> dict:
 
 
 class KvpressSide:
-    """The kvpress_side.py process: one JSON request per line, one JSON reply per line."""
+    """The kvpress side process (``benchmarks/kvpress/side.py``): one JSON request per line, one JSON reply per line."""
 
     def __init__(self, python: str, model_dir: str, threads: int, log_path: Path) -> None:
         self.log_path = log_path
@@ -138,7 +134,8 @@ class KvpressSide:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen(
-            [python, str(SIDE_SCRIPT), "--model", model_dir, "--threads", str(threads)],
+            [python, "-m", SIDE_MODULE, "--model", model_dir, "--threads", str(threads)],
+            cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

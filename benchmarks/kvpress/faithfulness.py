@@ -1,15 +1,14 @@
-"""Section 1 of ``benchmarks/vs_kvpress.py``: kept positions per (layer, KV head), ours vs kvpress,
+"""Section 1 of ``benchmarks/kvpress/vs_kvpress.py``: kept positions per (layer, KV head), ours vs kvpress,
 with matched settings; plus the helpers it needs (our kept sets from one prefill, kvpress's
 effective AdaKV+CriticalKV rule, agreement statistics, score gaps at the differences)."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from kvpress_common import (
+from benchmarks.kvpress.common import (
     KVPRESS_NAMES,
     MATCHED,
     METHODS_HEADWISE,
@@ -19,11 +18,9 @@ from kvpress_common import (
     load_model_dtype,
     press_spec,
 )
-from roofline import (
+from benchmarks.roofline import (
     table,
 )
-
-HERE = Path(__file__).resolve().parent
 
 
 def kvpress_n_kept(n: int, cache_size: float) -> int:
@@ -231,7 +228,7 @@ def section_faithfulness(
     out: Report, loaded, side: KvpressSide, lengths, cache_size, dtypes, per_layer: bool, bf16_max_tokens: int
 ) -> None:
     """Section 1 of ``vs_kvpress.py``: kept positions of ours vs kvpress per (layer, KV head)."""
-    from common import context_ids
+    from benchmarks.common import context_ids
 
     models = {d: (loaded.model if d == "float32" else load_model_dtype(d)) for d in dtypes}
     out("\n## 1. Faithfulness: kept positions per (layer, KV head), ours vs kvpress\n")

@@ -1,4 +1,4 @@
-"""Helpers of ``benchmarks/kvpress_side.py`` (runs INSIDE the kvpress virtual environment): presses
+"""Helpers of ``benchmarks/kvpress/side.py`` (runs INSIDE the kvpress virtual environment): presses
 from a spec, score recording, timing wrappers around kvpress's hooks, process memory, cache bytes.
 Nothing from the project is imported here."""
 

@@ -1,11 +1,11 @@
-"""Sections 4 and 5 of ``benchmarks/vs_kvpress.py``: a batch of documents of different lengths, and
+"""Sections 4 and 5 of ``benchmarks/kvpress/vs_kvpress.py``: a batch of documents of different lengths, and
 the measured times against roofline-style bounds on this machine."""
 
 from __future__ import annotations
 
-from kvpress_common import METHODS_HEADWISE, KvpressSide, Report, press_spec
-from kvpress_ours import encode_for_kvpress, make_engine, our_docs_run
-from roofline import (
+from benchmarks.kvpress.common import METHODS_HEADWISE, KvpressSide, Report, press_spec
+from benchmarks.kvpress.ours import encode_for_kvpress, make_engine, our_docs_run
+from benchmarks.roofline import (
     bound_norm_flops,
     decode_bound_s,
     document_of_tokens,

@@ -3,7 +3,7 @@
 kvpress needs transformers 5.2 and pandas < 3, so it runs in its own virtual environment, made by
 this script on first use (``--kvpress-venv``, default ``<model cache>/kvpress-venv``: torch 2.13.0
 first, then ``kvpress==0.5.5 transformers==5.2.0 "pandas<3"`` with torch held by a constraint
-file; idempotent, guarded by a lock). ``benchmarks/kvpress_side.py`` runs there and answers JSON
+file; idempotent, guarded by a lock). ``benchmarks/kvpress/side.py`` runs there and answers JSON
 requests over a pipe; both sides load the same safetensors folder and receive the same token ids.
 Both run fp32 on the same CPU threads; runs are interleaved (ours, kvpress, kvpress, ours, ...) and
 every time is a median over ``--repeats``.
@@ -27,7 +27,7 @@ Sections:
 5. Against the limit: decode ms/token vs (weights + KV entries read) / measured bandwidth, and
    CriticalKV norm time vs (norm FLOPs actually computed) / measured matmul throughput.
 
-Usage: python benchmarks/vs_kvpress.py [--lengths 2048,4096] [--faith-lengths 2048,4096]
+Usage: python -m benchmarks.kvpress.vs_kvpress [--lengths 2048,4096] [--faith-lengths 2048,4096]
        [--repeats 3] [--new-tokens 32] [--cache-size 0.2] [--batch 4] [--batch-length 2048]
        [--sections 1,2,3,4,5] [--faith-dtypes float32,bfloat16] [--bf16-max-tokens 2048]
        [--out benchmarks/results/vs_kvpress.md] [--setup-only]
@@ -44,13 +44,11 @@ from pathlib import Path
 
 import torch
 
-from kvpress_common import KvpressSide, Report, dir_size, ensure_kvpress_venv
-from kvpress_faithfulness import section_faithfulness
-from kvpress_limits import section_batch, section_limits
-from kvpress_time import section_memory, section_time
-from roofline import RESULTS_DIR, header, measure_limits, model_shape, parse_ints
-
-HERE = Path(__file__).resolve().parent
+from benchmarks.kvpress.common import KvpressSide, Report, dir_size, ensure_kvpress_venv
+from benchmarks.kvpress.faithfulness import section_faithfulness
+from benchmarks.kvpress.limits import section_batch, section_limits
+from benchmarks.kvpress.timing import section_memory, section_time
+from benchmarks.roofline import RESULTS_DIR, header, measure_limits, model_shape, parse_ints
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvpress venv: {info['python']} ({how}, {size / 2**30:.2f} GiB)")
         return
 
-    from common import load_smollm2
+    from benchmarks.common import load_smollm2
     from pipeline.engine.config import ModelConfig
     from pipeline.engine.loading import resolve_model_path
 

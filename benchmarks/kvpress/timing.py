@@ -1,11 +1,11 @@
-"""Sections 2 and 3 of ``benchmarks/vs_kvpress.py``: time per document (ours vs kvpress, interleaved)
+"""Sections 2 and 3 of ``benchmarks/kvpress/vs_kvpress.py``: time per document (ours vs kvpress, interleaved)
 and the memory the KV cache holds after the prefill."""
 
 from __future__ import annotations
 
-from kvpress_common import KVPRESS_NAMES, KvpressSide, Report, press_spec
-from kvpress_ours import encode_for_kvpress, make_engine, our_docs_run
-from roofline import document_of_tokens, fmt_bytes, fmt_ratio, median, table
+from benchmarks.kvpress.common import KVPRESS_NAMES, KvpressSide, Report, press_spec
+from benchmarks.kvpress.ours import encode_for_kvpress, make_engine, our_docs_run
+from benchmarks.roofline import document_of_tokens, fmt_bytes, fmt_ratio, median, table
 
 TIME_INTRO = (
     "cache_size {cache_size} (kept fraction), matched settings as in section 1. "

@@ -1,4 +1,4 @@
-"""The kvpress half of ``benchmarks/vs_kvpress.py`` (started by ``kvpress_common.KvpressSide``);
+"""The kvpress half of ``benchmarks/kvpress/vs_kvpress.py`` (started by ``benchmarks.kvpress.common.KvpressSide``);
 runs INSIDE the kvpress virtual environment.
 
 kvpress 0.5.5 needs transformers 5.2 (it reads ``cache_position``, removed in transformers 5.3+),
@@ -26,7 +26,7 @@ Ops:
   whether each row's selection equals that row's one-by-one selection.
 * ``quit``.
 
-Usage (by vs_kvpress.py): <kvpress-venv>/bin/python benchmarks/kvpress_side.py --model DIR [--threads N]
+Usage (by vs_kvpress.py): <kvpress-venv>/bin/python -m benchmarks.kvpress.side --model DIR [--threads N]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import kvpress  # noqa: E402
 from kvpress import KVPressTextGenerationPipeline  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
 
-from kvpress_side_tools import (  # noqa: E402
+from benchmarks.kvpress.side_tools import (  # noqa: E402
     HEADWISE,
     base_press,
     cache_bytes,
@@ -279,7 +279,9 @@ class Side:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="kvpress side of benchmarks/vs_kvpress.py (JSON lines on stdin/stdout)")
+    p = argparse.ArgumentParser(
+        description="kvpress side of benchmarks/kvpress/vs_kvpress.py (JSON lines on stdin/stdout)"
+    )
     p.add_argument("--model", required=True, help="model folder (safetensors)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
