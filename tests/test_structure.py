@@ -171,8 +171,8 @@ def _sys_path_edits(path: Path) -> list[int]:
 
 def test_no_file_edits_sys_path():
     """Entry points import the installed package (``make setup`` installs it; ``ray job submit
-    --working-dir .`` puts the directory on PYTHONPATH), the tests find the benchmark modules through
-    pytest's ``pythonpath``: no script patches the import path."""
+    --working-dir .`` puts the directory on PYTHONPATH), the benchmarks run as ``python -m benchmarks.NAME``
+    from the repository root: no script patches the import path."""
     files = [p for p in ROOT.rglob("*.py") if not {".venv", "outputs", ".git"} & set(p.relative_to(ROOT).parts)]
     edits = {str(p.relative_to(ROOT)): lines for p in sorted(files) if (lines := _sys_path_edits(p))}
     assert not edits, f"sys.path edited in {edits}"

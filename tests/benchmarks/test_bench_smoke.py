@@ -7,13 +7,11 @@ import torch
 
 from benchmarks import roofline
 from benchmarks.full_cache_scaling import configs, measure_length
-
-# the benchmark modules import by name: pytest puts benchmarks/ on the path (pyproject: pythonpath)
 from benchmarks.kvpress import common as kvpress_common
 from benchmarks.kvpress import faithfulness as kvpress_faithfulness
 from benchmarks.kvpress import ours as kvpress_ours
 from benchmarks.kvpress import vs_kvpress
-from benchmarks.run_all import has_flag
+from benchmarks.run_all import FULL, QUICK, has_flag, module_exists, module_of
 from pipeline.kv.attention import register
 from tests.tiny import tiny_loaded, tiny_model
 
@@ -242,3 +240,11 @@ def test_throughput_checks_the_peak_against_the_budget_plus_one_prefill():
     assert throughput.memory_cells({"peak": 150 * mib, "prefill_peak": 60 * mib}, 100 * mib) == ["150", "60", "yes"]
     assert throughput.memory_cells({"peak": 170 * mib, "prefill_peak": 60 * mib}, 100 * mib) == ["170", "60", "**no**"]
     assert throughput.memory_cells({"peak": 90 * mib, "prefill_peak": None}, 100 * mib) == ["90", "-", "-"]
+
+
+def test_run_all_names_a_module_for_every_benchmark():
+    """make bench runs each benchmark as a module; a name that resolves to nothing would be skipped."""
+    for name in {*FULL, *QUICK}:
+        assert module_exists(name), f"{name} -> {module_of(name)} is not a module file"
+    assert module_of("vs_kvpress") == "benchmarks.kvpress.vs_kvpress"
+    assert not module_exists("kvpress_side")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_check  # benchmarks/ is on the test path (pyproject: pythonpath)
+from benchmarks import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
 
