@@ -79,6 +79,10 @@ class Compressor:
         self.scorer = SCORERS[config.scorer] if config.compresses else None
         self.allocation = ALLOCATIONS[config.allocation]
         self.selection = SELECTIONS[config.selection]
+        # each part's own typed knobs, read once (a part never sees the rest of the config)
+        self.scorer_options = self.scorer.options_from(config) if self.scorer is not None else None
+        self.allocation_options = self.allocation.options_from(config)
+        self.selection_options = self.selection.options_from(config)
 
     @property
     def needs_value_norms(self) -> bool:
@@ -98,7 +102,9 @@ class Compressor:
     @property
     def observed_queries(self) -> int:
         """How many of the last prefill queries the scorer keeps (a capture for sweeps keeps as many)."""
-        return self.scorer.observed_queries(self.config) if self.scorer is not None else 0
+        if self.scorer is None:
+            return 0
+        return self.scorer.observed_queries(self.config.window, self.scorer_options)
 
     def projection(self, layer_idx: int, module: torch.nn.Module, num_kv_heads: int, head_dim: int) -> OutputProjection:
         """W_O slices of a layer in float32 (cached: weights do not change during inference)."""
@@ -116,7 +122,7 @@ class Compressor:
         if self.scorer is None:
             return None
         inputs = LayerInputs(layer_idx, hidden, self.kvzap)
-        return self.scorer.observe(query, key_pos, self.config, self.rotary, inputs=inputs)
+        return self.scorer.observe(query, key_pos, self.scorer_options, self.config.window, self.rotary, inputs=inputs)
 
     def compress_layer(self, layer_idx, module, query, key, value, key_pos, scaling, hidden=None) -> LayerSelection:
         """:meth:`observe` + :meth:`compress_observed`. query: (B, H_q, m, D) (the last m >=
@@ -135,14 +141,14 @@ class Compressor:
         if not self.config.compresses:
             return self._keep_all(layer_idx, pending)
         ctx = self._context(layer_idx, pending)
-        scores = self.scorer.score(ctx, self.config)
-        return self._select(ctx, scores, self.allocation.head_budgets(scores, ctx, self.config))
+        scores = self.scorer.score(ctx, self.scorer_options)
+        return self._select(ctx, scores, self.allocation.head_budgets(scores, ctx, self.allocation_options))
 
     def compress_model(self, layers: list[PendingLayer]) -> list[LayerSelection]:
         """Which entries of every layer each (row, KV head) keeps, deciding budgets across layers."""
         contexts = [self._context(idx, layer) for idx, layer in enumerate(layers)]
-        scores = [self.scorer.score(ctx, self.config) for ctx in contexts]
-        budgets = self.allocation.model_head_budgets(scores, contexts, self.config)
+        scores = [self.scorer.score(ctx, self.scorer_options) for ctx in contexts]
+        budgets = self.allocation.model_head_budgets(scores, contexts, self.allocation_options)
         return [self._select(ctx, s, b) for ctx, s, b in zip(contexts, scores, budgets)]
 
     def raw_scores(self, layer_idx, module, observed, key, value, key_pos, scaling) -> torch.Tensor:
@@ -150,10 +156,10 @@ class Compressor:
         scores the chunk, except that the chunk's window entries get the score they have without a
         window (the running window is applied to the union in :meth:`compress_union`)."""
         ctx = self._context(layer_idx, PendingLayer(module, key, value, key_pos, scaling, observed))
-        with_window = self.scorer.score(ctx, self.config)  # as the unchunked prefill scores the chunk
+        with_window = self.scorer.score(ctx, self.scorer_options)  # as the unchunked prefill scores the chunk
         in_window = window_mask(key_pos, ctx.row_window)[:, None, :]
         ctx.row_window = torch.zeros_like(ctx.row_window)
-        bare = self.scorer.score(ctx, self.config)  # the window's own entries, for when they leave the window
+        bare = self.scorer.score(ctx, self.scorer_options)  # the window's own entries, for when they leave the window
         return torch.where(in_window, bare, with_window)
 
     def union_budgets(
@@ -188,9 +194,10 @@ class Compressor:
         if self.phase is Phase.PREFILL:  # across layers, which hold different numbers of candidates: one width
             width = max(sc.shape[-1] for sc in scores)
             padded = [torch.nn.functional.pad(sc, (0, width - sc.shape[-1]), value=float("-inf")) for sc in scores]
-            budgets = self.allocation.model_head_budgets(padded, contexts, cfg)
+            budgets = self.allocation.model_head_budgets(padded, contexts, self.allocation_options)
         else:
-            budgets = [self.allocation.head_budgets(sc, ctx, cfg) for sc, ctx in zip(scores, contexts)]
+            opts = self.allocation_options
+            budgets = [self.allocation.head_budgets(sc, ctx, opts) for sc, ctx in zip(scores, contexts)]
         held = [(ctx.key_pos >= 0).sum(-1) for ctx in contexts]  # (B, H_kv) candidates of each head
         return scores, [torch.minimum(b.to(h.device), h) for b, h in zip(budgets, held)], row_w
 
@@ -243,7 +250,7 @@ class Compressor:
         )
 
     def _select(self, ctx: LayerContext, scores: torch.Tensor, head_budget: torch.Tensor) -> LayerSelection:
-        keep, norms = self.selection.select(scores, head_budget, ctx, self.config, self.norm_stats)
+        keep, norms = self.selection.select(scores, head_budget, ctx, self.selection_options, self.norm_stats)
         if self.needs_value_norms:
             norms = self._all_norms(ctx.value, keep, ctx.projection(), norms)
         return LayerSelection(keep, norms, head_budget)

@@ -7,8 +7,10 @@ printed in the ``method`` column of every output row and accepted as ``method=``
 
 where the default selection (``topk``) and allocation (``uniform``) are left out, and ``none``
 keeps the full cache. Every combination the registries allow is valid; ``method_names()`` lists
-them. The part knobs are not declared here: the config inherits each registered part's ``options``
-model, so a knob lives on the part that uses it (``kernel`` on SnapKV, ``epsilon`` on CriticalKV ...).
+them. The part knobs are not declared here: each lives on the part's own typed ``options`` model
+(``kernel`` on SnapKV, ``epsilon`` on CriticalKV ...), which the part's methods receive
+(:meth:`~pipeline.kv.parts.Part.options_from`); this config offers every registered knob on one flat
+surface, for the command lines and YAML files, so that a knob is set the same way whichever method uses it.
 
 Budgets: ``cache_size`` is the kept fraction of each row's own context length (0.2 keeps 20 %, as
 the paper's "cache size"); ``budget`` (tokens per KV head) overrides it when given. The observation
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 
 from ..options import CommandLineConfig
 from .allocation import ALLOCATIONS
+from .parts import declared_knobs
 from .phases import Phase, method_phase
 from .scorers import SCORERS
 from .selection import SELECTIONS
@@ -73,17 +76,23 @@ def method_names() -> list[str]:
 
 
 def _part_options() -> tuple[type[BaseModel], ...]:
-    """Every registered part's options model, once each, checked for knob names used twice."""
+    """Every model that declares registered parts' knobs, once each, in registration order; a knob
+    name declared by two models (or by the core) fails here."""
     models = list(
         dict.fromkeys(m for reg in (SCORERS, ALLOCATIONS, SELECTIONS) for p in reg.values() for m in p.option_models())
     )
     seen: dict[str, str] = {}
     for model in models:
-        for name in model.model_fields:
+        for name in declared_knobs(model):
             if name in seen or name in _CompressionCore.model_fields:
                 raise TypeError(f"knob {name!r} of {model.__name__} is also declared by {seen.get(name, 'the core')}")
             seen[name] = model.__name__
     return tuple(models)
+
+
+def _knob_bases() -> tuple[type[BaseModel], ...]:
+    """The knob models as bases of one class: a model that another derives from comes after it."""
+    return tuple(sorted(_part_options(), key=lambda model: -len(model.__mro__)))
 
 
 class _CompressionCore(CommandLineConfig):
@@ -126,7 +135,7 @@ class _CompressionCore(CommandLineConfig):
     )
 
 
-class CompressionConfig(_CompressionCore, *_part_options()):
+class CompressionConfig(_CompressionCore, *_knob_bases()):
     """How the context's KV cache is compressed (see the module docstring).
 
     Construct with the parts (``scorer=``, ``allocation=``, ``selection=``) or with their
@@ -244,7 +253,7 @@ class CompressionConfig(_CompressionCore, *_part_options()):
         """(title, field names) per declaring model: the core first, then each part's knobs (CLI help)."""
         groups = [(_CompressionCore.__doc__ or "", list(_CompressionCore.model_fields))]
         for model in _part_options():
-            groups.append(((model.__doc__ or model.__name__).strip(), list(model.model_fields)))
+            groups.append(((model.__doc__ or model.__name__).strip(), declared_knobs(model)))
         return groups
 
 

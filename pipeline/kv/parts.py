@@ -9,10 +9,12 @@ A method is ``scorer x allocation x selection`` (see ``docs/ARCHITECTURE.md``):
 * a :class:`Selection` decides which entries fill each head's count, (B, H_kv, n) bool.
 
 Each part is one small module with a class deriving from one of these, registered by name in
-its package's ``__init__`` (``pipeline.kv.scorers.SCORERS`` ...). A part's own knobs are a pydantic
-model assigned to ``options``; :class:`pipeline.kv.config.CompressionConfig` inherits every
-registered part's options, so a knob is declared once, on the part that uses it, and the command
-lines of every entry point are generated from it.
+its package's ``__init__`` (``pipeline.kv.scorers.SCORERS`` ...). A part's own knobs are one typed
+pydantic model assigned to ``options`` (knobs shared by several parts live on a small common model
+the parts' options derive from, e.g. ``SinkOptions``); the part's methods receive an instance of
+it (:meth:`Part.options_from`), never the whole config. :class:`pipeline.kv.config.CompressionConfig`
+offers every registered knob on one flat surface (the command lines and YAML files), each declared
+once, on the model that owns it.
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ class Part:
     """Common to all parts: a registry name, optional knobs and a consistency check."""
 
     name: ClassVar[str]
-    #: the part's knobs: a pydantic model (or several shared with other parts), inherited by CompressionConfig
-    options: ClassVar[type[BaseModel] | tuple[type[BaseModel], ...] | None] = None
+    #: the part's knobs as one typed model, handed to its methods (:meth:`options_from`); None: no knobs
+    options: ClassVar[type[BaseModel] | None] = None
     summary: ClassVar[str] = ""
     #: the engine must load per-head priors (HeadKV) and pass them as ``LayerContext.head_priors``
     needs_head_priors: ClassVar[bool] = False
@@ -97,9 +99,23 @@ class Part:
         """Raise ``ValueError`` when ``config`` cannot run with this part (default: nothing to check)."""
 
     def option_models(self) -> tuple[type[BaseModel], ...]:
+        """The models that declare this part's knobs: its options model and the common models it
+        derives from, each declaring at least one knob of its own."""
         if self.options is None:
             return ()
-        return self.options if isinstance(self.options, tuple) else (self.options,)
+        return tuple(m for m in self.options.__mro__ if issubclass(m, BaseModel) and declared_knobs(m))
+
+    def options_from(self, config: CompressionConfig) -> BaseModel | None:
+        """This part's typed options, read from a config's knobs (None for a part without knobs)."""
+        if self.options is None:
+            return None
+        return self.options.model_validate({name: getattr(config, name) for name in self.options.model_fields})
+
+
+def declared_knobs(model: type[BaseModel]) -> list[str]:
+    """The fields ``model`` declares itself (not inherited from another options model)."""
+    inherited = {name for base in model.__bases__ if issubclass(base, BaseModel) for name in base.model_fields}
+    return [name for name in model.model_fields if name not in inherited]
 
 
 class Scorer(Part):
@@ -113,30 +129,33 @@ class Scorer(Part):
     #: ``observe`` reads each layer's attention input (``LayerInputs.hidden``), recorded by the cache
     needs_hidden_states: ClassVar[bool] = False
 
-    def observed_queries(self, config: CompressionConfig) -> int:
-        """How many of the last prefill queries :meth:`observe` keeps (0: none)."""
+    def observed_queries(self, window: int, options: BaseModel | None) -> int:
+        """How many of the last prefill queries :meth:`observe` keeps (0: none); window: the
+        method's observation window (tokens)."""
         return 0
 
     def observe(
         self,
         query: torch.Tensor,
         key_pos: torch.Tensor,
-        config: CompressionConfig,
+        options: BaseModel | None,
+        window: int,
         rotary: Rotary | None = None,
         inputs: LayerInputs | None = None,
     ) -> object:
         """What the scorer needs of the prefill queries, kept while the layer's attention runs.
 
-        query: (B, H_q, n, D) post-RoPE; rotary: the model's RoPE (cos, sin) at given positions, for
+        query: (B, H_q, n, D) post-RoPE; options: this scorer's knobs; window: the observation window
+        (tokens); rotary: the model's RoPE (cos, sin) at given positions, for
         scorers that need pre-RoPE queries; inputs: the layer index, hidden states and learned
         weights (:class:`LayerInputs`). Default: the last :meth:`observed_queries` queries (a
         view) or None. Called once per layer; a compression sweep keeps the result of every setting.
         """
-        tail = self.observed_queries(config)
+        tail = self.observed_queries(window, options)
         return query[:, :, -tail:] if tail else None
 
-    def score(self, ctx: LayerContext, config: CompressionConfig) -> torch.Tensor:
-        """(B, H_kv, n) float32 base scores."""
+    def score(self, ctx: LayerContext, options: BaseModel | None) -> torch.Tensor:
+        """(B, H_kv, n) float32 base scores; options: this scorer's knobs (:attr:`Part.options`)."""
         raise NotImplementedError
 
 
@@ -148,15 +167,16 @@ class Allocation(Part):
     (a cross-layer budget), so the dense cache is held until the prefill (or the chunk) ends.
     """
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config: CompressionConfig) -> torch.Tensor:
-        """scores: (B, H_kv, n) base scores -> (B, H_kv) long kept entries per head."""
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: BaseModel | None) -> torch.Tensor:
+        """scores: (B, H_kv, n) base scores -> (B, H_kv) long kept entries per head; options: this
+        allocation's knobs."""
         raise NotImplementedError
 
     def model_head_budgets(
-        self, scores: list[torch.Tensor], contexts: list[LayerContext], config: CompressionConfig
+        self, scores: list[torch.Tensor], contexts: list[LayerContext], options: BaseModel | None
     ) -> list[torch.Tensor]:
         """Every layer's counts from every layer's scores (list of (B, H_kv, n)) -> list of (B, H_kv)."""
-        return [self.head_budgets(s, ctx, config) for s, ctx in zip(scores, contexts)]
+        return [self.head_budgets(s, ctx, options) for s, ctx in zip(scores, contexts)]
 
 
 class Selection(Part):
@@ -171,11 +191,11 @@ class Selection(Part):
         scores: torch.Tensor,
         head_budget: torch.Tensor,
         ctx: LayerContext,
-        config: CompressionConfig,
+        options: BaseModel | None,
         stats: NormStats,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (keep (B, H_kv, n) bool, projected value norms (B, H_kv, n) float32 with NaN
-        where not computed, or None when the selection computes none)."""
+        """options: this selection's knobs. Returns (keep (B, H_kv, n) bool, projected value norms
+        (B, H_kv, n) float32 with NaN where not computed, or None when the selection computes none)."""
         raise NotImplementedError
 
 

@@ -72,7 +72,9 @@ def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None, 
         lengths=lengths,
         row_budget=row_b,
         row_window=row_w,
-        observed=scorer.observe(q, pos, config, rotary, inputs=LayerInputs(layer, _hidden(pos), kvzap)),
+        observed=scorer.observe(
+            q, pos, scorer.options_from(config), config.window, rotary, inputs=LayerInputs(layer, _hidden(pos), kvzap)
+        ),
         projection=lambda: proj,
         head_priors=priors,
         kvzap=kvzap,
@@ -99,7 +101,7 @@ def test_scorer_matches_reference(name, selection):
     if scorer.decides is Phase.PASSES:  # its algorithm is in the passes (tests/kv/test_kvzip.py): here the conventions
         passes = torch.rand(2, H_KV, max(LENGTHS), generator=torch.Generator().manual_seed(4))
         ctx.observed = passes
-    got = scorer.score(ctx, cfg)
+    got = scorer.score(ctx, scorer.options_from(cfg))
     assert got.shape == (2, H_KV, max(LENGTHS)) and got.dtype == torch.float32
     for b, length in enumerate(LENGTHS):
         pad = max(LENGTHS) - length
@@ -151,7 +153,7 @@ def test_allocation_matches_reference(name):
         _context(cfg, k[:, :1].expand(-1, H_Q, -1, -1), k, v, pos, SCORERS["snapkv"], layer, priors)
         for layer in range(2)
     ]
-    got = ALLOCATIONS[name].model_head_budgets(scores, contexts, cfg)
+    got = ALLOCATIONS[name].model_head_budgets(scores, contexts, ALLOCATIONS[name].options_from(cfg))
     for b, length in enumerate(LENGTHS):
         budget, window = int(contexts[0].row_budget[b]), int(contexts[0].row_window[b])
         rows = [s[b, :, n - length :].tolist() for s in scores]
@@ -172,7 +174,7 @@ def test_selection_matches_reference(name, norm):
     o_weight = _rand(HIDDEN, H_Q * D, seed=6)
     ctx = _context(cfg, k[:, :1].expand(-1, H_Q, -1, -1), k, v, pos, SCORERS["snapkv"], o_weight=o_weight)
     budgets = torch.tensor([[12, 7], [5, 9]])
-    keep, _ = SELECTIONS[name].select(scores, budgets, ctx, cfg, NormStats())
+    keep, _ = SELECTIONS[name].select(scores, budgets, ctx, SELECTIONS[name].options_from(cfg), NormStats())
     for b, length in enumerate(LENGTHS):
         pad = n - length
         assert not keep[b, :, :pad].any(), "padding is never kept"

@@ -27,5 +27,5 @@ class AdaKV(Allocation):
     options = SafeguardOptions
     summary = "layer-wide top-k decides each head's count, with a safeguard floor (arXiv 2407.11550)"
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
-        return adakv_head_budgets(scores, ctx.row_budget, config.alpha_safeguard)
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: SafeguardOptions) -> torch.Tensor:
+        return adakv_head_budgets(scores, ctx.row_budget, options.alpha_safeguard)

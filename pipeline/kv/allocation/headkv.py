@@ -14,13 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ..parts import Allocation, LayerContext
 from .common import SafeguardOptions
 
 
-class HeadKVOptions(BaseModel):
+class HeadKVOptions(SafeguardOptions):
     """HeadKV allocation"""
 
     head_priors: Path | None = Field(
@@ -67,13 +67,13 @@ def water_fill(weight: torch.Tensor, total: float, cap: float) -> torch.Tensor:
 
 class HeadKVAllocation(Allocation):
     name = "headkv"
-    options = (SafeguardOptions, HeadKVOptions)
+    options = HeadKVOptions
     summary = "static per-head budgets from retrieval-head priors (arXiv 2410.19258)"
     needs_head_priors = True
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: HeadKVOptions) -> torch.Tensor:
         if ctx.head_priors is None:
             raise ValueError("allocation 'headkv' needs HeadKV priors (compression.head_priors)")
         return headkv_head_budgets(
-            ctx.head_priors, ctx.layer_idx, ctx.row_budget, ctx.row_window, ctx.lengths, config.alpha_safeguard
+            ctx.head_priors, ctx.layer_idx, ctx.row_budget, ctx.row_window, ctx.lengths, options.alpha_safeguard
         )

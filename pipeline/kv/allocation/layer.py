@@ -34,10 +34,10 @@ class LayerAllocation(Allocation):
     decides = Phase.PREFILL
     summary = "one top-k over all layers and heads decides each layer's and head's count (arXiv 2510.13334)"
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: None) -> torch.Tensor:
         raise RuntimeError("the layer allocation needs every layer's scores (model_head_budgets)")
 
     def model_head_budgets(
-        self, scores: list[torch.Tensor], contexts: list[LayerContext], config
+        self, scores: list[torch.Tensor], contexts: list[LayerContext], options: None
     ) -> list[torch.Tensor]:
         return layer_head_budgets(scores, contexts[0].row_budget)

@@ -43,7 +43,7 @@ class SharesAllocation(Allocation):
     summary = "per-(layer, head) shares of KVzip's global top-k, calibrated offline (no dense cache held)"
     needs_kvzap_model = True
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: KVzapModelOptions) -> torch.Tensor:
         if ctx.kvzap is None:
             raise ValueError("allocation 'shares' needs a KVzap model file (compression.kvzap_model)")
         fractions = ctx.row_budget.double() / ctx.lengths.clamp(min=1).double()

@@ -16,5 +16,5 @@ class Uniform(Allocation):
     name = "uniform"
     summary = "every KV head keeps b"
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: None) -> torch.Tensor:
         return uniform_head_budgets(ctx.row_budget, scores.shape[1])

@@ -63,10 +63,10 @@ class DefensiveKV(Scorer):
     options = DefensiveKVOptions
     summary = "window attention, max over window queries and group heads, clamped at its mean (arXiv 2510.13334)"
 
-    def observed_queries(self, config) -> int:
-        return config.window
+    def observed_queries(self, window: int, options: DefensiveKVOptions) -> int:
+        return window
 
-    def score(self, ctx: LayerContext, config) -> torch.Tensor:
+    def score(self, ctx: LayerContext, options: DefensiveKVOptions) -> torch.Tensor:
         return defensive_scores(
-            ctx.observed, ctx.key, ctx.key_pos, ctx.row_window, config.defensive_kernel, ctx.scaling
+            ctx.observed, ctx.key, ctx.key_pos, ctx.row_window, options.defensive_kernel, ctx.scaling
         )

@@ -21,14 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ..parts import LayerContext, Scorer
 from ..rope import rotate_half, rotation_matrix, unrotate
 from .common import SinkOptions, finalise, sink_mask
 
 
-class ExpectedAttentionOptions(BaseModel):
+class ExpectedAttentionOptions(SinkOptions):
     """ExpectedAttention scorer"""
 
     future_positions: int = Field(512, ge=1, description="future query positions whose rotation is averaged")
@@ -84,19 +84,19 @@ def expected_attention_scores(stats: QueryStatistics, key, key_pos, sink_tokens:
 
 class ExpectedAttention(Scorer):
     name = "expected_attention"
-    options = (SinkOptions, ExpectedAttentionOptions)
+    options = ExpectedAttentionOptions
     summary = "expected attention of future queries from the context's query statistics (arXiv 2510.00636)"
 
-    def observe(self, query, key_pos, config, rotary=None, inputs=None) -> QueryStatistics:
+    def observe(self, query, key_pos, options: ExpectedAttentionOptions, window, rotary=None, inputs=None):
         if rotary is None:
             raise ValueError("expected_attention needs the model's rotary embedding (Compressor(rotary=...))")
         return query_statistics(
-            query, key_pos, rotary, config.sink_tokens, config.future_positions, config.use_covariance
+            query, key_pos, rotary, options.sink_tokens, options.future_positions, options.use_covariance
         )
 
-    def score(self, ctx: LayerContext, config) -> torch.Tensor:
-        scores = expected_attention_scores(ctx.observed, ctx.key, ctx.key_pos, config.sink_tokens)
-        if config.use_vnorm and not ctx.selection_weighs_values:  # else the selection weighs by it
-            scores = (scores + config.vnorm_epsilon) * ctx.value.float().norm(dim=-1)
-        scores = scores.masked_fill(sink_mask(ctx.key_pos, config.sink_tokens)[:, None, :], float("inf"))
+    def score(self, ctx: LayerContext, options: ExpectedAttentionOptions) -> torch.Tensor:
+        scores = expected_attention_scores(ctx.observed, ctx.key, ctx.key_pos, options.sink_tokens)
+        if options.use_vnorm and not ctx.selection_weighs_values:  # else the selection weighs by it
+            scores = (scores + options.vnorm_epsilon) * ctx.value.float().norm(dim=-1)
+        scores = scores.masked_fill(sink_mask(ctx.key_pos, options.sink_tokens)[:, None, :], float("inf"))
         return finalise(scores, ctx.key_pos, ctx.row_window)

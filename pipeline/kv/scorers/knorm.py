@@ -27,5 +27,5 @@ class KNorm(Scorer):
     name = "knorm"
     summary = "low key norm = important (arXiv 2406.11430, kvpress KnormPress)"
 
-    def score(self, ctx: LayerContext, config) -> torch.Tensor:
+    def score(self, ctx: LayerContext, options: None) -> torch.Tensor:
         return knorm_scores(ctx.key, ctx.key_pos, ctx.row_window)

@@ -30,17 +30,21 @@ def kvzap_scores(predicted: torch.Tensor, key_pos: torch.Tensor, window: torch.T
     return finalise(scores, key_pos, window)
 
 
+class KVzapOptions(KVzapModelOptions, SinkOptions):
+    """KVzap scorer: its weights file and the attention sinks"""
+
+
 class KVzap(Scorer):
     name = "kvzap"
-    options = (KVzapModelOptions, SinkOptions)
+    options = KVzapOptions
     summary = "KVzip+ scores predicted from each layer's hidden states in one pass (arXiv 2601.07891)"
     needs_hidden_states = True
     needs_kvzap_model = True
 
-    def observe(self, query, key_pos, config, rotary=None, inputs: LayerInputs | None = None) -> torch.Tensor:
+    def observe(self, query, key_pos, options, window, rotary=None, inputs: LayerInputs | None = None) -> torch.Tensor:
         if inputs is None or inputs.hidden is None or inputs.kvzap is None:
             raise ValueError("kvzap needs the layer's hidden states and a KVzap model (compression.kvzap_model)")
         return inputs.kvzap.predict(inputs.layer_idx, inputs.hidden)
 
-    def score(self, ctx: LayerContext, config) -> torch.Tensor:
-        return kvzap_scores(ctx.observed, ctx.key_pos, ctx.row_window, config.sink_tokens)
+    def score(self, ctx: LayerContext, options: KVzapOptions) -> torch.Tensor:
+        return kvzap_scores(ctx.observed, ctx.key_pos, ctx.row_window, options.sink_tokens)

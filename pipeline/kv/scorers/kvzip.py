@@ -35,10 +35,10 @@ class KVzip(Scorer):
     summary = "attention needed to reconstruct the context in teacher-forced passes (arXiv 2505.23416)"
     decides = Phase.PASSES
 
-    def observe(self, query, key_pos, config, rotary=None, inputs=None) -> None:
+    def observe(self, query, key_pos, options, window, rotary=None, inputs=None) -> None:
         return None  # the scores come from the reconstruction passes, after the prefill
 
-    def score(self, ctx: LayerContext, config) -> torch.Tensor:
+    def score(self, ctx: LayerContext, options: KVzipOptions) -> torch.Tensor:
         if not isinstance(ctx.observed, torch.Tensor):
             raise RuntimeError("kvzip scores come from the context-reconstruction passes (none were run)")
         return finalise(ctx.observed.float(), ctx.key_pos, ctx.row_window)

@@ -97,10 +97,10 @@ class SnapKV(Scorer):
     options = SnapKVOptions
     summary = "SnapKV observation-window attention, pooled (arXiv 2404.14469)"
 
-    def observed_queries(self, config) -> int:
-        return config.window
+    def observed_queries(self, window: int, options: SnapKVOptions) -> int:
+        return window
 
-    def score(self, ctx: LayerContext, config) -> torch.Tensor:
+    def score(self, ctx: LayerContext, options: SnapKVOptions) -> torch.Tensor:
         return snapkv_scores(
-            ctx.observed, ctx.key, ctx.key_pos, ctx.row_window, config.kernel, config.pooling, ctx.scaling
+            ctx.observed, ctx.key, ctx.key_pos, ctx.row_window, options.kernel, options.pooling, ctx.scaling
         )

@@ -24,5 +24,5 @@ class StreamingLLM(Scorer):
     options = SinkOptions
     summary = "attention sinks + most recent tokens (arXiv 2309.17453)"
 
-    def score(self, ctx: LayerContext, config) -> torch.Tensor:
-        return streamingllm_scores(ctx.key_pos, ctx.key.shape[1], ctx.row_window, config.sink_tokens)
+    def score(self, ctx: LayerContext, options: SinkOptions) -> torch.Tensor:
+        return streamingllm_scores(ctx.key_pos, ctx.key.shape[1], ctx.row_window, options.sink_tokens)

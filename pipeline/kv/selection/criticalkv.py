@@ -125,16 +125,16 @@ class CriticalKV(Selection):
     weighs_by_value_norm = True
     summary = "two-stage selection by (s + eps) * ||V W_O|| (arXiv 2502.03805)"
 
-    def select(self, scores, head_budget, ctx: LayerContext, config, stats):
+    def select(self, scores, head_budget, ctx: LayerContext, options: CriticalKVOptions, stats):
         return two_stage_select(
             scores,
             head_budget,
             ctx.row_window,
             ctx.value,
             ctx.projection(),
-            config.first_stage_ratio,
-            config.epsilon,
-            config.norm,
+            options.first_stage_ratio,
+            options.epsilon,
+            options.norm,
             stats,
             ctx.known_norms,
         )

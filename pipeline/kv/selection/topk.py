@@ -18,5 +18,5 @@ class TopK(Selection):
     name = "topk"
     summary = "top entries by base score"
 
-    def select(self, scores, head_budget, ctx: LayerContext, config, stats):
+    def select(self, scores, head_budget, ctx: LayerContext, options: None, stats):
         return topk_select(scores, head_budget), None
