@@ -5,7 +5,9 @@ models) into ``argparse`` flags: the flag is the field name in kebab case (or th
 ``json_schema_extra={"flag": ...}``), the help is the field's ``description`` followed by its default,
 and the type, choices and on/off switches come from the annotation (``bool`` -> ``--x/--no-x``,
 ``Literal`` -> choices, ``list[float]`` -> comma-separated values). Fields with
-``json_schema_extra={"cli": False}`` and the model's ``cli_exclude`` paths get no flag.
+``json_schema_extra={"cli": False}`` (internal fields, e.g. the job's name) get no flag. A config
+offers exactly the fields that apply to it: a job composes the small models it needs instead of
+inheriting fields and hiding some.
 
 Settings are layered, later ones winning: the model's own defaults, a YAML file given with
 ``--config FILE`` (keys as in the model, nested: ``compression: {method: snapkv}``), then the flags
@@ -24,7 +26,7 @@ import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -40,9 +42,6 @@ class UsageError(ValueError):
 class CommandLineConfig(BaseModel):
     """A config whose command line is laid out by the config itself (the defaults here are what any
     other pydantic model gets): subclasses override what they need."""
-
-    #: dotted field paths that get no flag (e.g. ``"compression.method"`` for a job that sets it)
-    cli_exclude: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:
@@ -172,7 +171,7 @@ def _field_default(field, parent_default: BaseModel | None, name: str) -> Any:
 
 
 def collect_options(
-    model: type[BaseModel], exclude: Sequence[str] = (), prefix: str = "", default: BaseModel | None = None
+    model: type[BaseModel], prefix: str = "", default: BaseModel | None = None
 ) -> list[tuple[str, list[Option]]]:
     """(group title, options) for ``model``'s fields, recursing into nested config models, laid out
     as the model declares (:class:`CommandLineConfig`)."""
@@ -183,8 +182,6 @@ def collect_options(
         own: list[Option] = []
         if index == 0:
             for name, (annotation, description, _) in declared.cli_aliases().items():
-                if f"{prefix}{name}" in exclude:
-                    continue
                 value = getattr(default, name, None) if default is not None else None
                 own.append(Option("--" + name.replace("_", "-"), f"{prefix}{name}", annotation, description, value))
         nested: list[tuple[str, list[Option]]] = []
@@ -192,12 +189,12 @@ def collect_options(
             field = model.model_fields[name]
             path = f"{prefix}{name}"
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-            if path in exclude or extra.get("cli") is False:
+            if extra.get("cli") is False:
                 continue
             value = _field_default(field, default, name)
             if _is_model(field.annotation):
                 sub_default = value if isinstance(value, BaseModel) else None
-                nested += collect_options(field.annotation, exclude, f"{path}.", sub_default)
+                nested += collect_options(field.annotation, f"{path}.", sub_default)
             elif _argparse_kwargs(field.annotation) is not None:
                 flag = "--" + str(extra.get("flag", name)).replace("_", "-")
                 own.append(
@@ -226,7 +223,6 @@ class OptionParser:
         prog: str,
         description: str = "",
         epilog: str | None = None,
-        exclude: Sequence[str] = (),
         extra_args=None,
     ) -> None:
         self.model = model
@@ -240,7 +236,7 @@ class OptionParser:
         if extra_args is not None:  # options that are not config fields (e.g. --json output format)
             extra_args(self.parser)
         self.options: dict[str, Option] = {}
-        for title, options in collect_options(model, tuple(exclude) + _layout(model).cli_exclude):
+        for title, options in collect_options(model):
             group = self.parser.add_argument_group(title)
             for opt in options:
                 if opt.flag in {o.flag for o in self.options.values()}:

@@ -3,8 +3,6 @@ other model gets, and where a bad setting stops (functions raise UsageError, the
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pytest
 from pydantic import BaseModel, Field
 
@@ -22,10 +20,8 @@ class Declared(CommandLineConfig):
 
     name: str = Field("a", description="a name")
     size: int = Field(1, description="a size")
-    hidden: int = Field(0, description="never a flag")
+    hidden: int = Field(0, description="never a flag", json_schema_extra={"cli": False})
     inner: Inner = Field(default_factory=Inner)
-
-    cli_exclude: ClassVar[tuple[str, ...]] = ("hidden",)
 
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:
@@ -49,14 +45,14 @@ class Plain(BaseModel):
     inner: Inner = Field(default_factory=Inner)
 
 
-def test_a_command_line_config_lays_out_its_own_groups_aliases_and_exclusions():
+def test_a_command_line_config_lays_out_its_own_groups_aliases_and_hidden_fields():
     parser = OptionParser(Declared, prog="t")
-    groups = [(title, [o.flag for o in options]) for title, options in collect_options(Declared, Declared.cli_exclude)]
+    groups = [(title, [o.flag for o in options]) for title, options in collect_options(Declared)]
     assert groups == [("sizes", ["--shape", "--size"]), ("names", ["--name"]), ("Inner settings", ["--depth"])]
     config, _ = parser.parse(["--shape", "bx3", "--depth", "4"])
     assert (config.name, config.size, config.inner.depth, config.hidden) == ("b", 3, 4, 0)
     with pytest.raises(SystemExit):
-        parser.parse(["--hidden", "5"])  # excluded: no such flag
+        parser.parse(["--hidden", "5"])  # internal: no such flag
 
 
 def test_any_other_model_gets_one_group_of_every_field():

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from functools import partial
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,10 +32,11 @@ from transformers import AutoTokenizer
 from pipeline.data.locations import is_uri
 from pipeline.distributed.config import HIDDEN, JobConfig
 from pipeline.distributed.driver import JobConfigError, JobFailed, run_job
-from pipeline.engine.config import GenerationConfig
+from pipeline.engine.config import SweepGeneration
 from pipeline.engine.loading import ModelNotFoundError, resolve_model_path
 from pipeline.eval.scoring import score_answer
 from pipeline.eval.sweep import sweep_documents, sweep_settings, token_counter
+from pipeline.kv.config import CompressionConfig, CompressionKnobs
 from pipeline.options import OptionParser, fail
 from pipeline.report import build_report
 
@@ -101,21 +102,9 @@ class EvalJob(JobConfig):
     report_dir: str | None = Field(
         None, description="local directory for report.md and plots (default: --output; required when it is a URI)"
     )
-    generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
-
-    cli_exclude: ClassVar[tuple[str, ...]] = (
-        "sample_docs",
-        "sample_words",
-        "sample_seed",
-        "compression.method",
-        "compression.scorer",
-        "compression.allocation",
-        "compression.selection",
-        "compression.cache_size",
-        "compression.budget",
-        "generation.continuous",  # a sweep decodes its settings side by side on the batch path
-        "generation.kv_memory",
-    )
+    # the knobs every swept method shares: --methods and --cache-sizes choose the methods and budgets
+    compression: CompressionKnobs = Field(default_factory=CompressionKnobs)
+    generation: SweepGeneration = Field(default_factory=lambda: SweepGeneration(max_new_tokens=24))
 
     @model_validator(mode="after")
     def _generated_or_own(self) -> EvalJob:
@@ -143,10 +132,14 @@ class EvalJob(JobConfig):
         rest = super().option_groups()
         return [("sweep", sweep)] + [(title, [n for n in names if n not in sweep]) for title, names in rest]
 
+    def compression_settings(self) -> list[CompressionConfig]:
+        """The swept settings: every ``--methods`` entry at every ``--cache-sizes`` value, with the knobs."""
+        return sweep_settings(self.methods, self.cache_sizes, self.compression)
+
     def job_config(self, documents: str | None = None) -> JobConfig:
         """The batch job that answers the sweep, every setting swept: on ``--input`` with the user's
         column flags, else on ``documents`` (the generated ones, already normalised)."""
-        settings = sweep_settings(self.methods, self.cache_sizes, self.compression)
+        settings = self.compression_settings()
         fields = self.model_dump(include=set(JobConfig.model_fields) - {"compression", "sweep", "input", "columns"})
         # only the column flags given: a dump of the defaults would mark every mapping field set
         fields["columns"] = self.columns.model_dump(exclude_unset=True) if self.input is not None else {}

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import pyarrow.parquet as pq
 from pydantic import ConfigDict, Field
@@ -25,7 +25,7 @@ from pipeline.engine.loading import load_model
 from pipeline.engine.priors import resolve_head_priors
 from pipeline.eval.perturbation import method_configs, run_perturbation
 from pipeline.eval.perturbation_docs import continuation_documents, question_documents
-from pipeline.kv.config import CompressionConfig
+from pipeline.kv.config import ScoringKnobs
 from pipeline.options import CommandLineConfig, OptionParser, fail
 from pipeline.report.perturbation import format_headline, headline
 
@@ -53,17 +53,8 @@ class PerturbationJob(CommandLineConfig):
         None, ge=0, description="last context queries of the in-sample 'window' probe (default: the window; 0 = off)"
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
-    compression: CompressionConfig = Field(default_factory=CompressionConfig)
-
-    cli_exclude: ClassVar[tuple[str, ...]] = (
-        "compression.method",
-        "compression.scorer",
-        "compression.allocation",
-        "compression.selection",
-        "compression.cache_size",
-        "compression.budget",
-        "compression.max_cache_tokens",
-        "compression.query_aware",
+    compression: ScoringKnobs = Field(
+        default_factory=ScoringKnobs, description="the knobs every compared method shares (--methods sets the rest)"
     )
 
 

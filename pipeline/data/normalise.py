@@ -39,27 +39,21 @@ def _column(default: str | None, description: str, flag: str):
     return Field(default, description=description, json_schema_extra={"flag": f"{flag}_column"})
 
 
-class ColumnMapping(BaseModel):
-    """Input columns (which columns hold the document id, context, question(s) and optional extras).
+class DocumentColumns(BaseModel):
+    """Input columns (which columns hold the document id, context and optional extras).
 
-    Set ``question`` for one question per row, or ``questions`` for a list column per document
-    (setting ``questions`` overrides the ``question`` default).
+    The columns of a job whose documents all get one instruction (summaries): no question columns.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = _column("doc_id", "document id (missing: a content hash of the context)", "id")
     context: str = _column("context", "the long document", "context")
-    question: str | None = _column("question", "one question per row", "question")
-    questions: str | None = _column(None, "a list of questions per row (instead of --question-column)", "questions")
     answer_prefix: str | None = _column(
         None, "text the answer starts with (default: an answer_prefix column)", "answer_prefix"
     )
     reference: str | None = _column(
         None, "reference answer(s) for scoring (default: a reference(s) column)", "reference"
-    )
-    question_id: str | None = _column(
-        None, "question ids (default: a question_id(s) column, else 0, 1, ...)", "question_id"
     )
     max_new_tokens: str | None = _column(
         None, "per-row generation limit (default: a max_new_tokens column)", "max_new_tokens"
@@ -74,6 +68,25 @@ class ColumnMapping(BaseModel):
         if value is not None and not value.strip():
             raise ValueError("column names must not be empty")
         return value
+
+
+class ColumnMapping(DocumentColumns):
+    """Input columns (which columns hold the document id, context, question(s) and optional extras).
+
+    Set ``question`` for one question per row, or ``questions`` for a list column per document
+    (setting ``questions`` overrides the ``question`` default).
+    """
+
+    question: str | None = _column("question", "one question per row", "question")
+    questions: str | None = _column(None, "a list of questions per row (instead of --question-column)", "questions")
+    question_id: str | None = _column(
+        None, "question ids (default: a question_id(s) column, else 0, 1, ...)", "question_id"
+    )
+
+    @classmethod
+    def of(cls, columns: DocumentColumns, **questions: str) -> ColumnMapping:
+        """The mapping of ``columns`` (the flags that were given) with these question columns."""
+        return cls(**columns.model_dump(exclude_unset=True, include=set(DocumentColumns.model_fields)), **questions)
 
     @model_validator(mode="after")
     def _one_question_shape(self) -> ColumnMapping:

@@ -24,15 +24,15 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.data.locations import StorageError, is_uri, resolve
-from pipeline.data.normalise import ColumnMapping
+from pipeline.data.normalise import ColumnMapping, DocumentColumns
 from pipeline.data.sources import looks_like_path
 from pipeline.data.synthetic import SUMMARY_INSTRUCTION
-from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.config import BatchGeneration, GenerationConfig, ModelConfig
 from pipeline.engine.kvzap_file import resolve_kvzap
 from pipeline.engine.loading import model_may_exist
 from pipeline.engine.priors import resolve_head_priors
@@ -56,6 +56,14 @@ def default_output(job: str) -> str:
     return str(Path("outputs") / f"{job}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
 
 
+class BuiltInSamples(BaseModel):
+    """The built-in sample documents a job answers when it is given no input (``make run``)."""
+
+    sample_docs: int = Field(3, ge=1, description="built-in samples: number of documents")
+    sample_words: int = Field(800, ge=50, description="built-in samples: words per document")
+    sample_seed: int = Field(0, description="built-in samples: random seed")
+
+
 class JobConfig(CommandLineConfig):
     """Input and output"""
 
@@ -77,11 +85,10 @@ class JobConfig(CommandLineConfig):
         "lines, instead of refusing the directory",
     )
     instruction: str | None = Field(
-        None, description="summaries: the instruction every document gets as its only question"
+        None,
+        description="one question (or instruction) every document gets instead of its own questions; "
+        "summaries: the summary instruction",
     )
-    sample_docs: int = Field(3, ge=1, description="built-in samples: number of documents")
-    sample_words: int = Field(800, ge=50, description="built-in samples: words per document")
-    sample_seed: int = Field(0, description="built-in samples: random seed")
     normalise: Literal["auto", "driver", "ray"] = Field(
         "auto",
         description="where input rows are grouped into documents: on the driver, or in Ray tasks "
@@ -122,6 +129,7 @@ class JobConfig(CommandLineConfig):
         description="settings answered from one prefill per document (eval_compression); each answer's row key "
         "is its question id qualified by the setting (pipeline.engine.types.Setting)",
     )
+    # every engine option; each job declares only the part that applies to it (BatchGeneration, SweepGeneration)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     engine_factory: str | None = Field(
         None,
@@ -151,8 +159,6 @@ class JobConfig(CommandLineConfig):
         "Ray Data's own 30-minute limit is lifted, since one long document or a large sweep may take longer)",
     )
 
-    cli_exclude: ClassVar[tuple[str, ...]] = ()
-
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:
         """Command-line help layout (:mod:`pipeline.options`)."""
@@ -168,7 +174,10 @@ class JobConfig(CommandLineConfig):
             "engine_factory",
         ]
         configs = ["columns", "model", "compression", "generation"]
-        io = [n for n in cls.model_fields if n not in ray + configs]
+        samples = [n for n in BuiltInSamples.model_fields if n in cls.model_fields]
+        io = [n for n in cls.model_fields if n not in ray + configs + samples]
+        if samples:  # right after the input they stand in for
+            io[io.index("normalise") : io.index("normalise")] = samples
         return [("input and output", io), ("Ray resources", ray), ("", configs)]
 
     @model_validator(mode="before")
@@ -236,13 +245,17 @@ class JobConfig(CommandLineConfig):
     def _consistent(self) -> JobConfig:
         if self.min_actors > self.max_actors:
             raise ValueError(f"min_actors ({self.min_actors}) must not exceed max_actors ({self.max_actors})")
-        for setting in [self.compression, *self.sweep]:
+        for setting in self.compression_settings():
             resolve_head_priors(setting, self.model.name)  # a headkv method needs a priors file: fail now
             if model_may_exist(self.model.name):  # else the model check names the real problem
                 resolve_kvzap(setting, self.model.name)  # kvzap / shares need a KVzap file for the model: fail now
         return self
 
     # ------------------------------------------------------------------ derived
+    def compression_settings(self) -> list[CompressionConfig]:
+        """Every compression this job runs (checked for the files they need before Ray starts)."""
+        return [self.compression, *self.sweep]
+
     @property
     def batch_size(self) -> int:
         """Documents per actor call; equal to the engine's prefill batch (one call = one batch)."""
@@ -278,36 +291,28 @@ class JobConfig(CommandLineConfig):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class LongDocQAJob(JobConfig):
+class LongDocQAJob(BuiltInSamples, JobConfig):
     """Input and output"""
 
     job: Literal["longdoc_qa"] = Field("longdoc_qa", json_schema_extra=HIDDEN)
     compression: CompressionConfig = Field(default_factory=default_compression)
-    generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=24))
-
-    cli_exclude: ClassVar[tuple[str, ...]] = ("instruction", "generation.settings_per_decode")
+    generation: BatchGeneration = Field(default_factory=lambda: BatchGeneration(max_new_tokens=24))
 
 
-class SummarizeJob(JobConfig):
+class SummarizeJob(BuiltInSamples, JobConfig):
     """Input and output"""
 
     job: Literal["summarize"] = Field("summarize", json_schema_extra=HIDDEN)
-    instruction: str | None = Field(
+    instruction: str = Field(
         SUMMARY_INSTRUCTION, description="the instruction every document gets as its only question"
     )
+    columns: DocumentColumns = Field(default_factory=DocumentColumns)
     metric: str = Field("rouge_l", description="scores summaries against a reference column, when there is one")
     sample_docs: int = Field(2, ge=1, description="built-in samples: number of documents")
     sample_words: int = Field(400, ge=50, description="built-in samples: words per document")
     compression: CompressionConfig = Field(default_factory=default_compression)
-    generation: GenerationConfig = Field(
-        default_factory=lambda: GenerationConfig(max_new_tokens=256, end_at_sentence=True)
-    )
-
-    cli_exclude: ClassVar[tuple[str, ...]] = (
-        "columns.question",
-        "columns.questions",
-        "columns.question_id",
-        "generation.settings_per_decode",
+    generation: BatchGeneration = Field(
+        default_factory=lambda: BatchGeneration(max_new_tokens=256, end_at_sentence=True)
     )
 
 

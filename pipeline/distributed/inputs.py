@@ -14,7 +14,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from pipeline.data.locations import Location, StorageError, resolve
-from pipeline.data.normalise import check_duplicate_ids, normalise_batch
+from pipeline.data.normalise import ColumnMapping, check_duplicate_ids, normalise_batch
 from pipeline.data.schema import DOCUMENT_SCHEMA
 from pipeline.data.sources import (
     PARQUET_SUFFIXES,
@@ -24,7 +24,7 @@ from pipeline.data.sources import (
     read_table,
 )
 from pipeline.data.synthetic import sample_qa_documents, sample_summarization_documents
-from pipeline.distributed.config import JobConfig
+from pipeline.distributed.config import BuiltInSamples, JobConfig
 from pipeline.distributed.rundir import JobConfigError
 from pipeline.engine.types import Setting, row_question_ids
 
@@ -50,15 +50,14 @@ def apply_instruction(table: pa.Table, instruction: str) -> pa.Table:
 
 
 def instruction_mapping(config: JobConfig):
-    explicit = config.columns.model_dump(exclude_unset=True)
-    for key in ("question", "questions", "question_id"):
-        explicit.pop(key, None)
-    return type(config.columns)(**explicit, question=INSTRUCTION_COLUMN)
+    return ColumnMapping.of(config.columns, question=INSTRUCTION_COLUMN)
 
 
 def sample_documents(config: JobConfig) -> pa.Table:
     """The built-in sample documents of the job; their generation limit is the job's
     ``max_new_tokens`` (user inputs may carry a per-row ``max_new_tokens`` column instead)."""
+    if not isinstance(config, BuiltInSamples):
+        raise JobConfigError("input", f"the {config.job} job has no built-in sample documents; give an input")
     make = sample_qa_documents if config.job == "longdoc_qa" else sample_summarization_documents
     docs = make(config.sample_docs, config.sample_words, config.sample_seed)
     for doc in docs:

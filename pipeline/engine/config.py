@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..options import CommandLineConfig
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -56,8 +58,21 @@ class ModelConfig(_Strict):
         return value.strip()
 
 
-class GenerationConfig(_Strict):
+GENERATION_HELP_ORDER = ("max_new_tokens", "batch_size", "settings_per_decode", "continuous", "kv_memory")
+
+
+class _GenerationOptions(_Strict, CommandLineConfig):
     """Generation (greedy decoding, stopping at EOS or after max_new_tokens)."""
+
+    @classmethod
+    def option_groups(cls) -> list[tuple[str, list[str]]]:
+        first = [name for name in GENERATION_HELP_ORDER if name in cls.model_fields]
+        rest = [name for name in cls.model_fields if name not in first]
+        return [(_GenerationOptions.__doc__.strip().rstrip("."), first + rest)]
+
+
+class DecodingConfig(_GenerationOptions):
+    """Generation (greedy decoding, stopping at EOS or after max_new_tokens): what every job decodes with."""
 
     max_new_tokens: int = Field(64, ge=1, le=8192, description="generated tokens per answer at most")
     batch_size: int = Field(
@@ -66,12 +81,18 @@ class GenerationConfig(_Strict):
         description="documents per actor call: decoded as one continuous batch (--no-continuous: prefilled "
         "together, left padded)",
     )
-    settings_per_decode: int = Field(
-        8,
-        ge=1,
-        description="sweeps: compressed settings of one batch decoded together as one batch "
-        "(1: each alone, with its own decode times)",
+    end_at_sentence: bool = Field(
+        False, description="an answer cut by max_new_tokens ends at its last complete sentence (summaries)"
     )
+    truncate: Literal["middle", "left", "error"] = Field(
+        "middle",
+        description="a context longer than the window: cut its middle (as LongBench), its start, or fail the row",
+    )
+
+
+class ContinuousBatching(_Strict):
+    """The batch jobs' decode batch: continuous, within a KV memory budget."""
+
     continuous: bool = Field(
         True,
         description="the documents of an actor call are prefilled one by one and decoded together while their "
@@ -87,10 +108,38 @@ class GenerationConfig(_Strict):
             "available then"
         },
     )
-    end_at_sentence: bool = Field(
-        False, description="an answer cut by max_new_tokens ends at its last complete sentence (summaries)"
+
+
+class SweepDecoding(_Strict):
+    """A sweep's decode: its settings decoded side by side."""
+
+    settings_per_decode: int = Field(
+        8,
+        ge=1,
+        description="sweeps: compressed settings of one batch decoded together as one batch "
+        "(1: each alone, with its own decode times)",
     )
-    truncate: Literal["middle", "left", "error"] = Field(
-        "middle",
-        description="a context longer than the window: cut its middle (as LongBench), its start, or fail the row",
-    )
+
+
+class BatchGeneration(DecodingConfig, ContinuousBatching):
+    """Generation (greedy decoding, stopping at EOS or after max_new_tokens): the batch jobs' options."""
+
+
+class SweepGeneration(DecodingConfig, SweepDecoding):
+    """Generation (greedy decoding, stopping at EOS or after max_new_tokens): a sweep's options (its
+    settings always decode on the batch path)."""
+
+
+class GenerationConfig(DecodingConfig, ContinuousBatching, SweepDecoding):
+    """Generation (greedy decoding, stopping at EOS or after max_new_tokens): the engine's, every option.
+
+    The jobs take the part that applies to them (:class:`BatchGeneration`, :class:`SweepGeneration`);
+    :meth:`of` completes one with the defaults of the rest.
+    """
+
+    @classmethod
+    def of(cls, options: BaseModel | None) -> GenerationConfig:
+        """The engine's config from a job's generation options (None: every default)."""
+        if options is None or isinstance(options, GenerationConfig):
+            return options or cls()
+        return cls.model_validate(options.model_dump())

@@ -76,7 +76,7 @@ class Engine:
             device_label=device_label(loaded.device),
         )
         self.compression = compression or CompressionConfig()
-        self.generation = generation or GenerationConfig()
+        self.generation = GenerationConfig.of(generation)
         self.max_context_tokens = max_context_tokens or getattr(cfg, "max_position_embeddings", None)
         self.last_continuous: ContinuousBatch | None = None
         self._kv_budget: int | None = None  # kv_budget_bytes, once decided

@@ -83,7 +83,7 @@ from ..kv.attention import register as register_varlen_attention
 from ..kv.attention import register_recording
 from ..kv.cache import VarLenCache, run_chunk
 from ..kv.compress import Compressor
-from ..kv.config import CompressionConfig, method_name
+from ..kv.config import CompressionConfig, ScoringKnobs, method_name
 from ..kv.phases import Phase
 from ..kv.rope import model_rotary
 from ..kv.scorers.snapkv import snapkv_scores
@@ -130,17 +130,15 @@ def base_method(config: CompressionConfig) -> str:
 
 
 def method_configs(
-    methods: Sequence[str], cache_sizes: float | Sequence[float], base: CompressionConfig | None = None
+    methods: Sequence[str], cache_sizes: float | Sequence[float], knobs: ScoringKnobs | None = None
 ) -> dict[str, CompressionConfig]:
     """One validated :class:`CompressionConfig` per (method, cache size), keyed ``"method@size"``,
-    sharing ``base``'s other knobs (window, pooling, epsilon, priors ...)."""
+    with ``knobs`` (window, pooling, epsilon, priors ...; of a whole config, its scoring knobs only:
+    the diagnostics take no decode-time cap, question or chunked prefill)."""
     sizes = [cache_sizes] if isinstance(cache_sizes, (int, float)) else list(cache_sizes)
-    base = base or CompressionConfig()
-    return {
-        f"{m}@{cs:g}": base.with_method(m, cache_size=cs, budget=None, query_aware=False, max_cache_tokens=None)
-        for cs in sizes
-        for m in methods
-    }
+    knobs = knobs or ScoringKnobs()
+    scoring = ScoringKnobs.model_validate(knobs.model_dump(include=set(ScoringKnobs.model_fields)))
+    return {f"{m}@{cs:g}": scoring.setting(m, cs) for cs in sizes for m in methods}
 
 
 class _Recorder:

@@ -20,11 +20,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from ..kv.config import PART_FIELDS, CompressionConfig, method_names
+from ..kv.config import CompressionConfig, CompressionKnobs, method_names
 from .ruler import MAX_NEW_TOKENS, TASKS, generate_task
 from .summaries import SUMMARY_TASK, summary_documents
-
-NOT_VARIED = {"method", *PART_FIELDS, "cache_size", "budget", "variant"}  # a variant changes knobs only
 
 
 def parse_variant(entry: str) -> tuple[str, dict[str, str]]:
@@ -52,7 +50,7 @@ def parse_variant(entry: str) -> tuple[str, dict[str, str]]:
 def _variant_config(entry: str, size: float, base: CompressionConfig) -> CompressionConfig:
     """The validated setting of one ``--methods`` entry at one cache size."""
     name, overrides = parse_variant(entry)
-    knobs = set(CompressionConfig.model_fields) - NOT_VARIED
+    knobs = set(CompressionKnobs.model_fields)  # a variant changes knobs only, never the method choice
     unknown = sorted(set(overrides) - knobs)
     if unknown:
         raise ValueError(f"methods: {entry!r}: {', '.join(unknown)} cannot vary; knobs: {', '.join(sorted(knobs))}")
@@ -70,9 +68,10 @@ def _spelled(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def sweep_settings(methods: list[str], cache_sizes: list[float], base: CompressionConfig) -> list[CompressionConfig]:
-    """One CompressionConfig per (method entry, cache size < 1) plus the full-cache reference; an
-    entry is a method name or a variant ``NAME[knob=value,...]`` (see the module docstring)."""
+def sweep_settings(methods: list[str], cache_sizes: list[float], knobs: CompressionKnobs) -> list[CompressionConfig]:
+    """One CompressionConfig per (method entry, cache size < 1) plus the full-cache reference, each
+    with ``knobs``; an entry is a method name or a variant ``NAME[knob=value,...]`` (see the module
+    docstring)."""
     valid = method_names()
     unknown = [m for m in methods if parse_variant(m)[0] not in valid]
     if unknown:
@@ -80,7 +79,8 @@ def sweep_settings(methods: list[str], cache_sizes: list[float], base: Compressi
     bad = [c for c in cache_sizes if not 0.0 < c <= 1.0]
     if bad:
         raise ValueError(f"cache_sizes: {bad} outside (0, 1]")
-    settings = [base.with_method("none", cache_size=1.0, budget=None, variant=None)]
+    base = knobs.setting("none", 1.0)
+    settings = [base]
     for entry in methods:
         if entry.strip() == "none":
             continue

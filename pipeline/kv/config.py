@@ -75,30 +75,9 @@ def method_names() -> list[str]:
     return [FULL_CACHE] + [method_name(sc, al, se) for se, al, sc in combos]
 
 
-def _part_options() -> tuple[type[BaseModel], ...]:
-    """Every model that declares registered parts' knobs, once each, in registration order; a knob
-    name declared by two models (or by the core) fails here."""
-    models = list(
-        dict.fromkeys(m for reg in (SCORERS, ALLOCATIONS, SELECTIONS) for p in reg.values() for m in p.option_models())
-    )
-    seen: dict[str, str] = {}
-    for model in models:
-        for name in declared_knobs(model):
-            if name in seen or name in _CompressionCore.model_fields:
-                raise TypeError(f"knob {name!r} of {model.__name__} is also declared by {seen.get(name, 'the core')}")
-            seen[name] = model.__name__
-    return tuple(models)
-
-
-def _knob_bases() -> tuple[type[BaseModel], ...]:
-    """The knob models as bases of one class: a model that another derives from comes after it."""
-    return tuple(sorted(_part_options(), key=lambda model: -len(model.__mro__)))
-
-
-class _CompressionCore(CommandLineConfig):
-    """KV-cache compression"""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class MethodChoice(BaseModel):
+    """Which method compresses and how much it keeps (the parts and the budget); a sweep sets these per
+    setting, so its own config holds only :class:`CompressionKnobs`."""
 
     scorer: str = Field(
         FULL_CACHE,
@@ -112,7 +91,17 @@ class _CompressionCore(CommandLineConfig):
     )
     cache_size: float = Field(1.0, gt=0.0, le=1.0, description="kept fraction of each context (0.2 keeps 20%)")
     budget: int | None = Field(None, ge=1, description="kept tokens per KV head (overrides cache_size)")
-    window: int = Field(32, ge=1, description="observation window: the last context tokens, always kept")
+    variant: str | None = Field(
+        None,
+        description="the knob overrides of a swept variant, as its label spells them (set by the sweep)",
+        json_schema_extra={"cli": False},
+    )
+
+
+class CacheKnobs(BaseModel):
+    """How the compressed cache is built and held: the question's place, the decode-time cap, the
+    chunked prefill. (The prefill-time diagnostics of ``jobs/perturbation.py`` take none of these.)"""
+
     max_cache_tokens: int | None = Field(None, ge=1, description="decode-time cap of entries per KV head")
     query_aware: bool = Field(False, description="compress with the question inside the observation window")
     prefill_chunk: int | None = Field(
@@ -128,14 +117,59 @@ class _CompressionCore(CommandLineConfig):
         "entry alone, such as kvzap and knorm); running: the kept fraction of the tokens seen so far "
         "(less memory while the early chunks go through, at some cost in quality)",
     )
-    variant: str | None = Field(
-        None,
-        description="the knob overrides of a swept variant, as its label spells them (set by the sweep)",
-        json_schema_extra={"cli": False},
+
+
+#: knobs of the configs themselves (not of a part), in the order the help lists them
+CORE_FIELDS = (*MethodChoice.model_fields, "window", *CacheKnobs.model_fields)
+
+
+def _part_options() -> tuple[type[BaseModel], ...]:
+    """Every model that declares registered parts' knobs, once each, in registration order; a knob
+    name declared by two models (or by the configs themselves) fails here."""
+    models = list(
+        dict.fromkeys(m for reg in (SCORERS, ALLOCATIONS, SELECTIONS) for p in reg.values() for m in p.option_models())
     )
+    seen: dict[str, str] = {}
+    for model in models:
+        for name in declared_knobs(model):
+            if name in seen or name in CORE_FIELDS:
+                raise TypeError(f"knob {name!r} of {model.__name__} is also declared by {seen.get(name, 'the core')}")
+            seen[name] = model.__name__
+    return tuple(models)
 
 
-class CompressionConfig(_CompressionCore, *_knob_bases()):
+def _knob_bases() -> tuple[type[BaseModel], ...]:
+    """The knob models as bases of one class: a model that another derives from comes after it."""
+    return tuple(sorted(_part_options(), key=lambda model: -len(model.__mro__)))
+
+
+class ScoringKnobs(CommandLineConfig, *_knob_bases()):
+    """KV-cache compression"""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    window: int = Field(32, ge=1, description="observation window: the last context tokens, always kept")
+
+    def setting(self, method: str, cache_size: float, **updates) -> CompressionConfig:
+        """The validated :class:`CompressionConfig` of ``method`` at ``cache_size`` with these knobs
+        (of a whole config, its knobs only: the method and budget are the arguments)."""
+        knobs = self.model_dump(include=set(type(self).model_fields) - set(MethodChoice.model_fields))
+        return CompressionConfig.model_validate({**knobs, "method": method, "cache_size": cache_size, **updates})
+
+    @classmethod
+    def option_groups(cls) -> list[tuple[str, list[str]]]:
+        """(title, field names): the config's own fields first, then each part's knobs (CLI help)."""
+        groups = [(ScoringKnobs.__doc__ or "", [name for name in CORE_FIELDS if name in cls.model_fields])]
+        for model in _part_options():
+            groups.append(((model.__doc__ or model.__name__).strip(), declared_knobs(model)))
+        return groups
+
+
+class CompressionKnobs(ScoringKnobs, CacheKnobs):
+    """KV-cache compression"""
+
+
+class CompressionConfig(MethodChoice, CompressionKnobs):
     """How the context's KV cache is compressed (see the module docstring).
 
     Construct with the parts (``scorer=``, ``allocation=``, ``selection=``) or with their
@@ -247,14 +281,6 @@ class CompressionConfig(_CompressionCore, *_knob_bases()):
                 parse_method,
             )
         }
-
-    @classmethod
-    def option_groups(cls) -> list[tuple[str, list[str]]]:
-        """(title, field names) per declaring model: the core first, then each part's knobs (CLI help)."""
-        groups = [(_CompressionCore.__doc__ or "", list(_CompressionCore.model_fields))]
-        for model in _part_options():
-            groups.append(((model.__doc__ or model.__name__).strip(), declared_knobs(model)))
-        return groups
 
 
 #: The product's default compression, for the batch jobs and ``pipeline.generate`` alike; chosen by

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.data import sample_qa_documents
-from pipeline.distributed.config import JobConfig
+from pipeline.distributed.config import JOB_CONFIGS, JobConfig
 from tests import faults as fault_hook
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,8 @@ def faults(local_ray):
 
 
 def tiny_config(output, **overrides) -> JobConfig:
-    """A JobConfig running the tiny Llama with CriticalKV at 50 % on one 1-CPU actor."""
+    """A job config (the job's own class, which offers the built-in samples) running the tiny Llama
+    with CriticalKV at 50 % on one 1-CPU actor."""
     settings = dict(
         output=str(output),
         model={"name": "tiny-llama"},
@@ -78,7 +79,7 @@ def tiny_config(output, **overrides) -> JobConfig:
             settings[key] = {**settings[key], **value}
         else:
             settings[key] = value
-    return JobConfig(**settings)
+    return JOB_CONFIGS[settings.get("job", "longdoc_qa")](**settings)  # the job's own config: built-in samples
 
 
 def small_docs(n: int = 6, words: int = 60, seed: int = 1) -> list[dict]:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from pipeline.apps.batch_jobs import config_from_args
 from pipeline.distributed import JobConfigError, run_job
-from pipeline.distributed.config import JobConfig
+from pipeline.distributed.config import JobConfig, SummarizeJob
 from pipeline.kv.config import DEFAULT_CACHE_SIZE, DEFAULT_METHOD
 from tests.distributed.conftest import ROOT, tiny_config
 
@@ -125,7 +125,7 @@ def test_every_option_has_help_with_its_default():
         assert "--method METHOD" in text and f"(default: {DEFAULT_METHOD})" in text
     assert "--question-column" in build_parser("longdoc_qa").parser.format_help()
     assert "--question-column" not in build_parser("summarize").parser.format_help()
-    assert "--instruction" not in build_parser("longdoc_qa").parser.format_help()
+    assert "--instruction" in build_parser("longdoc_qa").parser.format_help()  # one question for every document
 
 
 def test_cli_reports_bad_values_with_exit_code_2(tmp_path, capsys):
@@ -183,6 +183,44 @@ def test_summarize_instruction_replaces_questions(tmp_path):
         ("b", ["Summarise."], ["0"]),
     ]
     assert docs[0]["references"] == [["ref"]] and docs[0]["input_error"] is None
+
+
+def test_qa_instruction_asks_every_document_one_question(tmp_path):
+    """--instruction on the QA job: each document (its own questions or none) gets that one question;
+    the built-in samples too."""
+    from pipeline.distributed.inputs import load_documents
+
+    rows = [{"doc_id": "a", "text": "One.", "question": "Own?"}, {"doc_id": "a", "text": "One.", "question": "More?"}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    config = config_from_args(
+        "longdoc_qa",
+        ["--output", str(tmp_path / "o"), "--input", str(tmp_path / "in.jsonl"), "--context-column", "text"]
+        + ["--instruction", "Who wrote it?"],
+    )
+    docs = load_documents(config).to_pylist()
+    assert [(d["doc_id"], d["questions"], d["question_ids"]) for d in docs] == [("a", ["Who wrote it?"], ["0"])]
+    samples = load_documents(config_from_args("longdoc_qa", ["--output", str(tmp_path / "s"), "--instruction", "Q?"]))
+    assert samples.num_rows == 3 and all(q == ["Q?"] for q in samples.column("questions").to_pylist())
+
+
+def test_every_job_offers_only_the_fields_that_apply_to_it(tmp_path):
+    """Configs are composed, not trimmed: the sweep has no built-in samples, no method or budget of its
+    own and no continuous batch; the summaries have no question columns; no config hides inherited fields."""
+    from pipeline.apps.eval_sweep import EvalJob
+    from pipeline.options import CommandLineConfig
+
+    sweep = EvalJob(output=tmp_path / "o")
+    assert not {"sample_docs", "sample_words", "sample_seed"} & set(EvalJob.model_fields)
+    assert not {"scorer", "cache_size", "budget", "method"} & set(type(sweep.compression).model_fields)
+    assert not {"continuous", "kv_memory"} & set(type(sweep.generation).model_fields)
+    assert (
+        "settings_per_decode"
+        not in type(config_from_args("summarize", ["--output", str(tmp_path / "s")]).generation).model_fields
+    )
+    assert "question" not in type(SummarizeJob(output=tmp_path / "s").columns).model_fields
+    assert not hasattr(CommandLineConfig, "cli_exclude")
+    with pytest.raises(ValidationError, match="sample_docs"):
+        EvalJob(output=tmp_path / "o", sample_docs=2)
 
 
 def test_missing_model_file_fails_before_ray(tmp_path, monkeypatch):
