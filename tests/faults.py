@@ -11,10 +11,11 @@ Directives (a JSON object):
 * ``raise_after_batches`` N (+ ``raise_delay_s``): an actor raises when asked for batch N+1;
 * ``error_doc_ids``: generation raises for batches holding these documents.
 
-In-process: ``pipeline.hooks.install(Faults({...}))``. For other processes (Ray actors, a driver
-started as a subprocess): :func:`environment` gives the variables that make every process of the
-run call :func:`hook`, which reads the directives from the JSON file named by
-``$CRITICALKV_TEST_FAULTS_FILE`` at every event (so a test may change them between runs).
+In-process: ``pipeline.hooks.install(Faults({...}))``. In Ray actors: the tests' engine factory
+(``tests/distributed/helpers.py``) calls :func:`install_from_environment`, which installs :func:`hook`
+when ``$CRITICALKV_TEST_FAULTS_FILE`` names a file (:func:`environment` gives that variable for a
+run's processes); :func:`hook` reads the directives from it at every event, so a test may change
+them between runs. Production code imports nothing of this.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline import hooks
+
 FILE_ENV = "CRITICALKV_TEST_FAULTS_FILE"
-HOOK = "tests.faults:hook"
 KNOWN = {"oom", "oom_above", "crash", "crash_marker", "raise_after_batches", "raise_delay_s", "error_doc_ids"}
 
 
@@ -83,8 +85,15 @@ def hook(event: str, **context) -> None:
 
 
 def environment(faults_file: str | Path) -> dict[str, str]:
-    """Variables that install :func:`hook` in every process of a run, reading ``faults_file``."""
-    return {"CRITICALKV_TEST_HOOK": HOOK, FILE_ENV: str(faults_file)}
+    """Variables under which the tests' engine factory installs :func:`hook`, reading ``faults_file``."""
+    return {FILE_ENV: str(faults_file)}
+
+
+def install_from_environment() -> None:
+    """Install :func:`hook` in this process when ``$CRITICALKV_TEST_FAULTS_FILE`` is set (an actor of a
+    test run); called by the tests' engine factory, the only seam a Ray actor offers a test."""
+    if os.environ.get(FILE_ENV):
+        hooks.install(hook)
 
 
 def write(faults_file: str | Path, **directives) -> None:

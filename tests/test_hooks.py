@@ -1,20 +1,22 @@
-"""The test hook (pipeline.hooks): installed in-process, or named in the environment, where only a
-function of the tests package is accepted."""
+"""The fault seam (pipeline.hooks): installed in-process only; in Ray actors by the tests' engine factory."""
+
+import ast
+import inspect
 
 import pytest
 
 from pipeline import hooks
+from tests import faults
+from tests.distributed.helpers import tiny_engine
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(hooks, "_installed", None)
-    monkeypatch.setattr(hooks, "_loaded_from_env", False)
     yield
 
 
-def test_no_hook_does_nothing_and_unknown_events_are_refused(monkeypatch):
-    monkeypatch.delenv(hooks.ENV_VAR, raising=False)
+def test_no_hook_does_nothing_and_unknown_events_are_refused():
     hooks.fire("predictor.batch", batch=1, doc_ids=[])
     with pytest.raises(ValueError, match="unknown hook event 'engine.decode'"):
         hooks.fire("engine.decode")
@@ -27,22 +29,26 @@ def test_an_installed_hook_sees_every_event():
     assert seen == [("predictor.generate", {"doc_ids": ["a"]})]
 
 
-@pytest.mark.parametrize("spec", ["os:system", "pipeline.hooks:install", "tests", "tests.faults"])
-def test_the_environment_names_only_a_tests_function(monkeypatch, spec):
-    monkeypatch.setenv(hooks.ENV_VAR, spec)
-    with pytest.raises(RuntimeError, match="expected tests.<module>:<function>"):
-        hooks.fire("predictor.batch", batch=1, doc_ids=[])
+def test_production_reads_no_environment_and_imports_nothing_by_name():
+    tree = ast.parse(inspect.getsource(hooks))
+    imported = {
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom) for alias in node.names
+    }
+    modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported == {"annotations", "Callable"} and modules == {"__future__", "collections.abc"}
 
 
-def test_the_environment_loads_a_tests_hook(monkeypatch, tmp_path):
-    from tests import faults
+def test_the_tests_engine_factory_installs_the_faults_named_in_the_environment(monkeypatch, tmp_path):
+    from pipeline.engine.config import GenerationConfig, ModelConfig
+    from pipeline.kv.config import CompressionConfig
 
+    build = (ModelConfig(name="tiny-llama"), CompressionConfig(), GenerationConfig())
+    monkeypatch.delenv(faults.FILE_ENV, raising=False)
+    tiny_engine(*build)
+    hooks.fire("predictor.batch", batch=1, doc_ids=[])  # no faults file: nothing installed
     faults.write(tmp_path / "faults.json", raise_after_batches=0)
     for name, value in faults.environment(tmp_path / "faults.json").items():
         monkeypatch.setenv(name, value)
+    tiny_engine(*build)
     with pytest.raises(faults.InjectedFault, match="raise_after_batches=0"):
-        hooks.fire("predictor.batch", batch=1, doc_ids=[])
-    monkeypatch.setenv(hooks.ENV_VAR, "tests.faults:missing")
-    monkeypatch.setattr(hooks, "_loaded_from_env", False)
-    with pytest.raises(RuntimeError, match="cannot be imported"):
         hooks.fire("predictor.batch", batch=1, doc_ids=[])

@@ -6,10 +6,13 @@ The model name picks a tiny random architecture built in code: ``tiny-llama``, `
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.kv.config import CompressionConfig
+from tests import faults
 from tests.tiny import ARCHS, tiny_loaded
 
 
 def tiny_engine(model: ModelConfig, compression: CompressionConfig, generation: GenerationConfig) -> Engine:
+    """The tiny engine; in a run whose processes name a faults file, with the fault hook installed."""
+    faults.install_from_environment()
     arch = model.name.removeprefix("tiny-")
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny model {model.name!r}; choose tiny-{', tiny-'.join(ARCHS)}")
