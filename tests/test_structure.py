@@ -189,3 +189,19 @@ def _sys_path_edits_example() -> list[int]:
         return _sys_path_edits(Path(fh.name))
     finally:
         Path(fh.name).unlink()
+
+
+def test_every_console_script_names_a_callable_entry_point():
+    """pyproject's [project.scripts] (the jobs and tools as installed commands) import and are callable."""
+    import importlib
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the dev extra's tomli
+        import tomli as tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"criticalkv-longdoc-qa", "criticalkv-summarize", "criticalkv-eval", "criticalkv-report"} <= set(scripts)
+    for name, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), name

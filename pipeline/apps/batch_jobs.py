@@ -102,3 +102,13 @@ def main(job: str, argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def longdoc_qa() -> int:
+    """Console script ``criticalkv-longdoc-qa`` (= ``python jobs/longdoc_qa.py``)."""
+    return main("longdoc_qa")
+
+
+def summarize() -> int:
+    """Console script ``criticalkv-summarize`` (= ``python jobs/summarize.py``)."""
+    return main("summarize")
