@@ -205,3 +205,36 @@ def test_every_console_script_names_a_callable_entry_point():
     for name, target in scripts.items():
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function)), name
+
+
+# (file, enclosing function) of every environment read in the kv and engine rooms: each is read once,
+# when a cache or a model is set up, never on a per-call path (the attention calls, the decode steps)
+ALLOWED_ENVIRONMENT_READS = {
+    ("pipeline/kv/varlen_kernels.py", "from_environment"),  # KernelChoice: once per cache (VarLenCache)
+    ("pipeline/engine/loading.py", "default_cache_dir"),  # where converted GGUF models are kept
+}
+
+
+def _environment_reads(path: Path) -> set[tuple[str, str]]:
+    """(file, enclosing function) of each ``os.environ`` / ``os.getenv`` in ``path``."""
+    tree = ast.parse(path.read_text())
+    reads = set()
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                reads.add((str(path.relative_to(ROOT)), func.name))
+    module_level = [n for n in tree.body if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
+    for stmt in module_level:
+        if any(isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv") for n in ast.walk(stmt)):
+            reads.add((str(path.relative_to(ROOT)), "<module>"))
+    return reads
+
+
+def test_the_kv_and_engine_rooms_read_the_environment_only_where_pinned():
+    reads = set()
+    for room in ("pipeline/kv", "pipeline/engine"):
+        for path in sorted((ROOT / room).rglob("*.py")):
+            reads |= _environment_reads(path)
+    assert reads == ALLOWED_ENVIRONMENT_READS
