@@ -12,6 +12,11 @@ them. The part knobs are not declared here: each lives on the part's own typed `
 (:meth:`~pipeline.kv.parts.Part.options_from`); this config offers every registered knob on one flat
 surface, for the command lines and YAML files, so that a knob is set the same way whichever method uses it.
 
+The config is composed of small models, so that a job takes only the part that applies to it:
+:class:`MethodChoice` (the parts and the budget) + :class:`ScoringKnobs` (the window and every part's
+knobs; the perturbation diagnostics) + :class:`CacheKnobs` (decode-time cap, question placement,
+chunked prefill); :class:`CompressionKnobs` = the two knob models, what a sweep shares across its settings.
+
 Budgets: ``cache_size`` is the kept fraction of each row's own context length (0.2 keeps 20 %, as
 the paper's "cache size"); ``budget`` (tokens per KV head) overrides it when given. The observation
 window sits inside the budget; when a row is so short that its budget is smaller than the window,
