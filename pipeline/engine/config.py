@@ -140,6 +140,8 @@ class GenerationConfig(DecodingConfig, ContinuousBatching, SweepDecoding):
     @classmethod
     def of(cls, options: BaseModel | None) -> GenerationConfig:
         """The engine's config from a job's generation options (None: every default)."""
-        if options is None or isinstance(options, GenerationConfig):
-            return options or cls()
+        if options is None:
+            return cls()
+        if isinstance(options, GenerationConfig):
+            return options
         return cls.model_validate(options.model_dump())
