@@ -270,7 +270,10 @@ class OptionParser:
             path = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or "config"
             opt = self.options.get(path)
             where = f"{opt.flag} ({path})" if opt else path
-            lines.append(f"invalid {where}: {err['msg'].removeprefix('Value error, ')}")
+            message = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":  # a key of another job's config, or a typo
+                message = f"not a setting of {self.parser.prog} (its settings: --help)"
+            lines.append(f"invalid {where}: {message}")
         return "\n".join(lines)
 
 

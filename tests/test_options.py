@@ -4,7 +4,7 @@ other model gets, and where a bad setting stops (functions raise UsageError, the
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.options import CommandLineConfig, OptionParser, UsageError, collect_options, load_yaml, merge_layer
 
@@ -82,3 +82,18 @@ def test_functions_under_the_parser_raise_usage_errors_and_the_parser_exits_2(tm
         with pytest.raises(SystemExit) as info:
             parser.parse(argv)
         assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_setting_of_another_job_is_named_as_such(tmp_path, capsys):
+    """A --config key the config does not have (another job's setting, or a typo) says so, not pydantic's wording."""
+
+    class Strict(CommandLineConfig):
+        model_config = ConfigDict(extra="forbid")
+        name: str = Field("a", description="a name")
+
+    path = tmp_path / "c.yaml"
+    path.write_text("name: b\nsample_docs: 2\n")
+    with pytest.raises(SystemExit) as info:
+        OptionParser(Strict, prog="jobs/x.py").parse(["--config", str(path)])
+    assert info.value.code == 2
+    assert "invalid sample_docs: not a setting of jobs/x.py (its settings: --help)" in capsys.readouterr().err
