@@ -310,3 +310,11 @@ def test_an_empty_instruction_is_refused_for_every_job(job, tmp_path):
     your own documents takes --instruction too."""
     with pytest.raises(ValueError, match="instruction must not be empty"):
         JobConfig(job=job, output=tmp_path / "o", instruction="  ")
+
+
+def test_a_job_without_built_in_samples_asks_for_an_input(tmp_path):
+    """The driver's JobConfig (what a sweep builds) has no sample documents: no input is a clear error."""
+    from pipeline.distributed.inputs import load_documents
+
+    with pytest.raises(JobConfigError, match="input: the eval_compression job has no built-in sample documents"):
+        load_documents(JobConfig(job="eval_compression", output=tmp_path / "o"))
