@@ -111,7 +111,7 @@ class ContinuousBatch:
 
     def _loop(self, rows: list[Row]) -> None:
         waiting: deque[int] = deque(range(len(rows)))
-        cache = VarLenCache(self.engine.shape.num_layers, self.compressor)
+        cache = self.engine.new_cache(self.compressor)
         active: list[Sequence] = []
         joining: list[tuple[Sequence, VarLenCache]] = []
         ready: list[tuple[Sequence, VarLenCache]] = []  # prefilled, waiting for room (one at most)
@@ -133,7 +133,7 @@ class ContinuousBatch:
                 if keep:
                     regroup(cache, keep, [])
                 else:
-                    cache = VarLenCache(self.engine.shape.num_layers, self.compressor)
+                    cache = self.engine.new_cache(self.compressor)
             if active:
                 self._step(cache, active)
 
@@ -183,7 +183,7 @@ class ContinuousBatch:
     def _open(self, index: int, row: Row) -> tuple[Sequence, VarLenCache]:
         """The document's own prefill and compression, then its first question."""
         t0 = now(self.engine.device)
-        one = VarLenCache(self.engine.shape.num_layers, self.compressor)
+        one = self.engine.new_cache(self.compressor)
         ctx_len, logits = self.engine.prefill([row], one)
         context_s = now(self.engine.device) - t0
         cost = (int(one.context_entries[0]), int(one.context_bytes[0]), context_s, one.compress_seconds)
@@ -254,7 +254,7 @@ class ContinuousBatch:
     def _next_round(self, cache: VarLenCache, j: int, seq: Sequence) -> tuple[Sequence, VarLenCache]:
         """Row ``j`` rolled back to its context in a cache of its own, its next question prefilled."""
         layers = [take_rows(layer, [j], mark) for layer, mark in zip(cache.store, seq.context)]
-        one = VarLenCache.from_layers(layers, self.compressor)
+        one = VarLenCache.from_layers(layers, self.compressor, self.engine.kernels)
         self._ask(seq, one)
         return seq, one
 

@@ -32,6 +32,7 @@ from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
 from ..kv.phases import Phase
 from ..kv.rope import model_rotary
+from ..kv.varlen_kernels import KernelChoice
 from .answers import ContextCost, ModelShape, make_answers
 from .batching import Row, rows_for, warn_below_window
 from .config import GenerationConfig, ModelConfig
@@ -82,6 +83,7 @@ class Engine:
         self._kv_budget: int | None = None  # kv_budget_bytes, once decided
         self._kvzap_cache: dict = {}  # file -> KVzapModel: one load per file for every setting
         self.compressor = self.make_compressor(self.compression)
+        self.kernels = KernelChoice.from_environment()  # the attention kernels, chosen once for every cache
         self.oom_retry: tuple[float, Compressor] | None = None
         if oom_retry_cache_size is not None:
             self.enable_oom_retry(oom_retry_cache_size)
@@ -170,9 +172,13 @@ class Engine:
         """Prefill and compress one request's context only and return the cache, so callers can
         inspect what was kept: ``cache.kept_positions(layer, 0, kv_head)`` gives the original token
         positions (0 = first context token after the chat-template head) held for that head."""
-        cache = VarLenCache(self.shape.num_layers, self.compressor)
+        cache = self.new_cache(self.compressor)
         self.prefill(self._rows_for(request)[:1], cache)
         return cache
+
+    def new_cache(self, compressor: Compressor) -> VarLenCache:
+        """An empty cache for this model, compressing with ``compressor``, on the engine's kernels."""
+        return VarLenCache(self.shape.num_layers, compressor, self.kernels)
 
     def prefill(self, rows: list[Row], cache: VarLenCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The context prefill and compression of ``rows`` into ``cache``, phase by phase
@@ -269,7 +275,7 @@ class Engine:
         limits = [self.max_new_tokens_for(row.request) for row in rows]
         with meter:
             t0 = now(self.device)
-            cache = VarLenCache(self.shape.num_layers, compressor)
+            cache = self.new_cache(compressor)
             ctx_len, logits = self.prefill(rows, cache)
             prefill_s = now(self.device) - t0
             per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits)

@@ -83,7 +83,7 @@ class SweepBatch:
                 warn_below_window(rows, compressor.config)
         meter = PeakMemory(engine.device)
         with meter:
-            capture = CaptureCache(engine.shape.num_layers, self.compressors)
+            capture = CaptureCache(engine.shape.num_layers, self.compressors, engine.kernels)
             t0 = now(engine.device)
             ctx_len, logits = engine.decoder.prefill(rows, capture)
             prefill_s = now(engine.device) - t0
@@ -118,7 +118,7 @@ class SweepBatch:
         """A chunked setting's cache, last logits and seconds from its own prefill (its ``ttft_s``
         counts that prefill instead of the shared one)."""
         t0 = now(self.engine.device)
-        cache = VarLenCache(self.engine.shape.num_layers, compressor)
+        cache = self.engine.new_cache(compressor)
         _, logits = self.engine.prefill(self.rows, cache)
         return cache, logits, now(self.engine.device) - t0
 

@@ -30,7 +30,6 @@ from ..engine.types import Request
 from ..kv.allocation import row_budgets
 from ..kv.allocation.layer import layer_head_budgets
 from ..kv.attention import recorded_attention_inputs
-from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
 from ..kv.kvzap_model import KVzapModel
@@ -72,7 +71,7 @@ def document_targets(engine, doc: dict, sample_tokens: int, share_sizes: list[fl
     config = CompressionConfig(method="layer-kvzip", cache_size=0.5, kvzip_plus=True)
     request = Request(doc["doc_id"], doc["context"], ["Summarize."])
     rows = engine._rows_for(request)[:1]
-    cache = VarLenCache(engine.shape.num_layers, Compressor(config))
+    cache = engine.new_cache(Compressor(config))
     hidden: dict[int, torch.Tensor] = {}
     with recorded_attention_inputs(engine.model, hidden):
         engine.decoder.prefill(rows, cache)

@@ -158,7 +158,8 @@ class VarLenCache(ChunkCache):
     def __init__(self, num_layers: int, compressor: Compressor, kernels: KernelChoice | None = None) -> None:
         super().__init__(num_layers)
         self.compressor = compressor
-        self.kernels = kernels or KernelChoice.from_environment()  # decided once, not per attention call
+        # decided once (by the engine, which passes its choice; else here), never per attention call
+        self.kernels = kernels or KernelChoice.from_environment()
         self.compress_seconds = 0.0
         self.kernels_used: set[str] = set()  # attention paths taken after the prefill (diagnostics)
         self._appended: dict[int, torch.Tensor] = {}  # layer -> values appended by the current chunk
@@ -170,9 +171,11 @@ class VarLenCache(ChunkCache):
         self.chunked: ChunkedCompression | None = None  # during a chunked prefill (begin_chunked_prefill)
 
     @classmethod
-    def from_layers(cls, layers: list[VarLenLayer], compressor: Compressor) -> VarLenCache:
+    def from_layers(
+        cls, layers: list[VarLenLayer], compressor: Compressor, kernels: KernelChoice | None = None
+    ) -> VarLenCache:
         """A cache holding already compressed layers (e.g. built by a diagnostic from its own prefill)."""
-        cache = cls(len(layers), compressor)
+        cache = cls(len(layers), compressor, kernels)
         cache.store = list(layers)
         cache._finish_context()
         return cache

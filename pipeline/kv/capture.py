@@ -17,6 +17,7 @@ import torch
 from .attention import dense_prefill_attention
 from .cache import ChunkCache, VarLenCache
 from .compress import Compressor, PendingLayer
+from .varlen_kernels import KernelChoice
 
 
 @dataclass
@@ -35,9 +36,10 @@ class CapturedLayer:
 class CaptureCache(ChunkCache):
     """Prefill-only cache that captures instead of compressing (see the module docstring)."""
 
-    def __init__(self, num_layers: int, compressors: list[Compressor]) -> None:
+    def __init__(self, num_layers: int, compressors: list[Compressor], kernels: KernelChoice | None = None) -> None:
         super().__init__(num_layers)
         self.compressors = list(compressors)
+        self.kernels = kernels  # of the caches it builds (None: each decides from the environment)
         self.captured: list[CapturedLayer | None] = [None] * num_layers
 
     @property
@@ -63,7 +65,7 @@ class CaptureCache(ChunkCache):
         """The cache compressor ``index`` builds from the captured prefill (``observed``: per layer,
         reconstruction scores for a scorer that needs them)."""
         compressor = self.compressors[index]
-        cache = VarLenCache(self.num_layers, compressor)
+        cache = VarLenCache(self.num_layers, compressor, self.kernels)
         for idx, layer in enumerate(self.captured):
             if layer is None:
                 raise RuntimeError(f"layer {idx} was not captured (run the prefill first)")

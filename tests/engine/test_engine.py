@@ -351,3 +351,19 @@ def test_a_cache_size_below_the_window_keeps_the_window_and_warns(caplog):
     assert answer.kv_entries_kept == 4 * shape.num_layers * shape.num_kv_heads
     assert "'tiny-share'" in caplog.text and "below the observation window (4 tokens" in caplog.text
     assert "keeps 4 per head" in caplog.text
+
+
+def test_an_engine_chooses_its_attention_kernels_once_for_every_cache(monkeypatch):
+    """The forced kernels are read when the engine is made; its caches (batch, continuous, sweep) keep
+    that choice whatever the environment says later."""
+    from pipeline.kv.varlen_kernels import KERNEL_ENV, RAGGED_ENV, KernelChoice
+
+    monkeypatch.setenv(KERNEL_ENV, "reference")
+    monkeypatch.setenv(RAGGED_ENV, "blocked")
+    engine = _engine(method="snapkv", cache_size=0.5)
+    monkeypatch.setenv(KERNEL_ENV, "sdpa")
+    monkeypatch.delenv(RAGGED_ENV)
+    chosen = KernelChoice(varlen="reference", ragged="blocked")
+    assert engine.kernels == chosen
+    assert engine.new_cache(engine.compressor).kernels == chosen
+    assert engine.compress_context(Request("d", "one two three four five six seven eight", ["?"])).kernels == chosen
