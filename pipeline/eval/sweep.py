@@ -47,15 +47,15 @@ def parse_variant(entry: str) -> tuple[str, dict[str, str]]:
     return name.strip(), overrides
 
 
-def _variant_config(entry: str, size: float, base: CompressionConfig) -> CompressionConfig:
+def _variant_config(entry: str, size: float, knobs: CompressionKnobs) -> CompressionConfig:
     """The validated setting of one ``--methods`` entry at one cache size."""
     name, overrides = parse_variant(entry)
-    knobs = set(CompressionKnobs.model_fields)  # a variant changes knobs only, never the method choice
-    unknown = sorted(set(overrides) - knobs)
+    variable = set(CompressionKnobs.model_fields)  # a variant changes knobs only, never the method choice
+    unknown = sorted(set(overrides) - variable)
     if unknown:
-        raise ValueError(f"methods: {entry!r}: {', '.join(unknown)} cannot vary; knobs: {', '.join(sorted(knobs))}")
+        raise ValueError(f"methods: {entry!r}: {', '.join(unknown)} cannot vary; knobs: {', '.join(sorted(variable))}")
     try:
-        config = base.with_method(name, cache_size=size, budget=None, variant=None, **overrides)
+        config = knobs.setting(name, size, **overrides)
     except ValueError as exc:  # pydantic's ValidationError names the field
         raise ValueError(f"methods: {entry!r}: {exc}") from None
     if not overrides:
@@ -79,13 +79,12 @@ def sweep_settings(methods: list[str], cache_sizes: list[float], knobs: Compress
     bad = [c for c in cache_sizes if not 0.0 < c <= 1.0]
     if bad:
         raise ValueError(f"cache_sizes: {bad} outside (0, 1]")
-    base = knobs.setting("none", 1.0)
-    settings = [base]
+    settings = [knobs.setting("none", 1.0)]
     for entry in methods:
         if entry.strip() == "none":
             continue
         for size in sorted(c for c in cache_sizes if c < 1.0):
-            settings.append(_variant_config(entry, size, base))
+            settings.append(_variant_config(entry, size, knobs))
     twice = sorted({label for (label, _size), n in Counter((s.label, s.cache_size) for s in settings).items() if n > 1})
     if twice:
         raise ValueError(f"methods: {', '.join(twice)} swept twice (their rows would share ids)")
