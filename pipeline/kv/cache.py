@@ -295,7 +295,7 @@ class VarLenCache(ChunkCache):
             return sdpa_varlen_attention(query, keys, values, key_pos, self.query_pos, scaling), kernel
         out, probs = varlen_attention(query, keys, values, key_pos, self.query_pos, scaling, return_probs=track)
         if track:
-            self.cap.after_chunk(idx, layer, probs, self._appended.get(idx))
+            self.cap.after_chunk(idx, layer, probs, self._appended.get(idx), self.chunk_pos >= 0)
         return out, kernel
 
     def compress_into(self, idx: int, module, observed, key, value, key_pos, scaling) -> None:

@@ -30,16 +30,25 @@ class DecodeCap:
         layer.acc_attention = torch.zeros_like(layer.value_norm)
 
     def after_chunk(
-        self, layer_idx: int, layer: VarLenLayer, probs: torch.Tensor, new_values: torch.Tensor | None
+        self,
+        layer_idx: int,
+        layer: VarLenLayer,
+        probs: torch.Tensor,
+        new_values: torch.Tensor | None,
+        real_queries: torch.Tensor | None = None,
     ) -> None:
         """Accumulate the chunk's attention, give the new entries their norms, evict above the cap.
 
         probs: (B, H_kv, G, T, L) attention of the chunk's T queries over the padded view of
         ``layer`` (see :func:`pipeline.kv.attention.varlen_attention`); new_values: (B, H_kv, T, D)
-        values appended by this chunk (None when nothing was appended).
+        values appended by this chunk (None when nothing was appended); real_queries: (B, T) bool,
+        False on a left-padded chunk's padding, whose attention (it attends to keep its softmax finite)
+        is not the row's and is not accumulated (default: every query is real).
         """
         bsz, h_kv, groups, t, length = probs.shape
         index, live = layer.padded_index()
+        if real_queries is not None:
+            probs = probs * real_queries.to(probs.dtype)[:, None, None, :, None]
         acc = probs.mean(2).sum(2).reshape(-1, length)  # (S, L): mean over the group, summed over queries
         layer.acc_attention.index_add_(0, index[live], acc[live])
         if new_values is not None:

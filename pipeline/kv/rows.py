@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from .store import VarLenLayer
+from .store import CAP_STATISTICS, VarLenLayer
 
 
 def take_rows(layer: VarLenLayer, rows: list[int], length: torch.Tensor | None = None) -> VarLenLayer:
     """A copy of ``rows`` of ``layer``, in that order, each segment with its own capacity.
 
     length: optional (len(rows) * H,) entries to keep per segment (a prefix of each: e.g. the context
-    alone, dropping the question and answer appended since); default every live entry.
+    alone, dropping the question and answer appended since); default every live entry. The
+    decode-time cap's per-entry statistics move with their entries.
     """
-    if layer.acc_attention is not None or layer.value_norm is not None:
-        raise ValueError("rows of a layer with decode-cap statistics cannot be moved")
     heads, device = layer.num_heads, layer.length.device
     index = torch.tensor(rows, dtype=torch.long, device=device)
     segments = (index[:, None] * heads + torch.arange(heads, device=device)).reshape(-1)
@@ -36,12 +35,19 @@ def take_rows(layer: VarLenLayer, rows: list[int], length: torch.Tensor | None =
     total, dim = int(capacity.sum()), layer.keys.shape[-1]
     keys, values = layer.keys.new_zeros(total, dim), layer.values.new_zeros(total, dim)
     positions = torch.full((total,), -1, dtype=torch.int32, device=device)
+    stats = {name: getattr(layer, name) for name in CAP_STATISTICS if getattr(layer, name) is not None}
+    moved = {name: old.new_zeros(total) for name, old in stats.items()}
     if int(keep.sum()):
         seg = torch.repeat_interleave(torch.arange(segments.numel(), device=device), keep)
         offset = torch.arange(int(keep.sum()), device=device) - (torch.cumsum(keep, 0) - keep)[seg]
         src, dst = layer.start[segments][seg] + offset, start[seg] + offset
         keys[dst], values[dst], positions[dst] = layer.keys[src], layer.values[src], layer.positions[src]
-    return VarLenLayer(keys, values, positions, start, keep.clone(), capacity.clone(), len(rows), heads)
+        for name, old in stats.items():
+            moved[name][dst] = old[src]
+    out = VarLenLayer(keys, values, positions, start, keep.clone(), capacity.clone(), len(rows), heads)
+    for name, tensor in moved.items():
+        setattr(out, name, tensor)
+    return out
 
 
 def regroup(cache, keep: list[int], joining: list) -> None:
@@ -59,25 +65,3 @@ def regroup(cache, keep: list[int], joining: list) -> None:
 def layer_lengths(cache) -> list[torch.Tensor]:
     """Every layer's (B * H,) segment lengths: a mark to roll single rows back to (:func:`take_rows`)."""
     return [layer.length.clone() for layer in cache.store]
-
-
-def park_rows(cache, leaving: list[int], staying: list[int]) -> list[VarLenLayer]:
-    """Take rows ``leaving`` out of ``cache`` (returned, per layer, with every entry they hold) and
-    keep ``staying`` (in that order): the batch then decodes only its active rows."""
-    parked = [take_rows(layer, leaving) for layer in cache.store]
-    regroup(cache, staying, [])
-    return parked
-
-
-def unpark_rows(cache, order: list[int], parked: list[list[VarLenLayer]], parked_order: list[list[int]]) -> None:
-    """Put parked rows back: ``cache`` holds rows ``order`` (original indices), ``parked[k]`` the rows
-    ``parked_order[k]``; afterwards the cache's row b is original row b again."""
-    held = order + [b for group in parked_order for b in group]
-    where = {b: j for j, b in enumerate(held)}
-    permutation = [where[b] for b in range(len(held))]
-    for idx in range(cache.num_layers):
-        joined = VarLenLayer.concat([cache.store[idx], *(group[idx] for group in parked)])
-        cache.store[idx] = None
-        for group in parked:
-            group[idx] = None
-        cache.store[idx] = take_rows(joined, permutation)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 
 BLOCK = 32  # slots per block of a grown layer (segment capacities are multiples of it)
+# the decode-time cap's per-entry statistics (indexed like the keys), moved and copied with their entries
+CAP_STATISTICS = ("acc_attention", "value_norm")
 
 
 class VarLenLayer:
@@ -115,25 +117,22 @@ class VarLenLayer:
     @classmethod
     def concat(cls, layers: list[VarLenLayer]) -> VarLenLayer:
         """The rows of several layers (same KV heads and dtype) side by side in one layer: rows of
-        ``layers[0]`` first. One copy of every buffer; decode-cap statistics are not carried."""
-        if any(layer.acc_attention is not None or layer.value_norm is not None for layer in layers):
-            raise ValueError("layers with decode-cap statistics cannot be concatenated")
+        ``layers[0]`` first. One copy of every buffer, the decode-time cap's per-entry statistics
+        included (all layers carry them or none does)."""
+        carried = [name for name in CAP_STATISTICS if getattr(layers[0], name) is not None]
+        if any([n for n in CAP_STATISTICS if getattr(layer, n) is not None] != carried for layer in layers):
+            raise ValueError("layers to concatenate differ in decode-cap statistics")
         heads = {layer.num_heads for layer in layers}
         if len(heads) != 1:
             raise ValueError(f"layers to concatenate have different KV head counts: {sorted(heads)}")
-        offsets = [0]
-        for layer in layers[:-1]:
-            offsets.append(offsets[-1] + layer.keys.shape[0])
-        return cls(
-            torch.cat([layer.keys for layer in layers]),
-            torch.cat([layer.values for layer in layers]),
-            torch.cat([layer.positions for layer in layers]),
-            torch.cat([layer.start + offset for layer, offset in zip(layers, offsets)]),
-            torch.cat([layer.length for layer in layers]),
-            torch.cat([layer.capacity for layer in layers]),
-            sum(layer.num_rows for layer in layers),
-            heads.pop(),
-        )
+        offsets = torch.cumsum(torch.tensor([0] + [layer.keys.shape[0] for layer in layers[:-1]]), 0).tolist()
+        cat = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("keys", "values", "positions")}
+        tables = [torch.cat([getattr(layer, name) for layer in layers]) for name in ("length", "capacity")]
+        start = torch.cat([layer.start + offset for layer, offset in zip(layers, offsets)])
+        joined = cls(*cat.values(), start, *tables, sum(layer.num_rows for layer in layers), heads.pop())
+        for name in carried:
+            setattr(joined, name, torch.cat([getattr(layer, name) for layer in layers]))
+        return joined
 
     # ------------------------------------------------------------------ properties
     @property
@@ -186,7 +185,7 @@ class VarLenLayer:
         keys[dst] = self.keys[src]
         values[dst] = self.values[src]
         positions[dst] = self.positions[src]
-        for name in ("acc_attention", "value_norm"):
+        for name in CAP_STATISTICS:
             old = getattr(self, name)
             if old is not None:
                 new = old.new_zeros(total)
@@ -352,7 +351,7 @@ class VarLenLayer:
         self.keys = self.keys[flat].contiguous()
         self.values = self.values[flat].contiguous()
         self.positions = self.positions[flat].contiguous()
-        for name in ("acc_attention", "value_norm"):
+        for name in CAP_STATISTICS:
             old = getattr(self, name)
             if old is not None:
                 setattr(self, name, old[flat].contiguous())
@@ -391,7 +390,7 @@ class VarLenLayer:
     def clone(self) -> VarLenLayer:
         tensors = (self.keys, self.values, self.positions, self.start, self.length, self.capacity)
         copy = VarLenLayer(*(t.clone() for t in tensors), self.num_rows, self.num_heads)
-        for name in ("acc_attention", "value_norm"):
+        for name in CAP_STATISTICS:
             old = getattr(self, name)
             setattr(copy, name, None if old is None else old.clone())
         return copy

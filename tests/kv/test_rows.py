@@ -7,7 +7,7 @@ import torch
 from pipeline.kv.cache import VarLenCache
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
-from pipeline.kv.rows import park_rows, regroup, take_rows, unpark_rows
+from pipeline.kv.rows import regroup, take_rows
 from pipeline.kv.store import VarLenLayer
 
 HEADS, DIM = 2, 4
@@ -80,10 +80,37 @@ def test_regroup_keeps_rows_then_appends_the_joining_caches():
         assert other.store[idx] is None  # released as it was copied
 
 
-def test_parked_rows_come_back_in_their_order():
-    cache = _cache([random_layer(6, 5), random_layer(6, 6)])
-    before = [segments(layer) for layer in cache.store]
-    first = park_rows(cache, [1, 4], [0, 2, 3, 5])  # rows 1 and 4 leave
-    second = park_rows(cache, [0, 3], [1, 2])  # then (original) rows 0 and 5
-    unpark_rows(cache, [2, 3], [first, second], [[1, 4], [0, 5]])
-    assert [segments(layer) for layer in cache.store] == before
+def _with_statistics(layer: VarLenLayer, seed: int) -> VarLenLayer:
+    """``layer`` with random decode-cap statistics on every slot (indexed like its keys)."""
+    g = torch.Generator().manual_seed(seed)
+    layer.acc_attention = torch.rand(layer.keys.shape[0], generator=g)
+    layer.value_norm = torch.rand(layer.keys.shape[0], generator=g)
+    return layer
+
+
+def entry_statistics(layer: VarLenLayer) -> list[list[tuple[float, float]]]:
+    """Naive read-back of the cap statistics: per segment, its live entries' (accumulated, norm)."""
+    out = []
+    for s in range(layer.num_segments):
+        begin = int(layer.start[s])
+        live = range(begin, begin + int(layer.length[s]))
+        out.append([(float(layer.acc_attention[i]), float(layer.value_norm[i])) for i in live])
+    return out
+
+
+def test_the_decode_caps_statistics_move_and_join_with_their_entries():
+    """Rows of a capped cache leave and join the decode loop with their per-entry statistics."""
+    cache = _cache([_with_statistics(random_layer(4, 8), 1), _with_statistics(random_layer(4, 9), 2)])
+    other = _cache([_with_statistics(random_layer(2, 10), 3), _with_statistics(random_layer(2, 11), 4)])
+    before = [entry_statistics(layer) for layer in cache.store]
+    joining = [entry_statistics(layer) for layer in other.store]
+    regroup(cache, [3, 0], [other])
+    for idx in range(2):
+        keep = [before[idx][r * HEADS + h] for r in (3, 0) for h in range(HEADS)]
+        assert entry_statistics(cache.store[idx]) == keep + joining[idx]
+        assert cache.store[idx].acc_attention.shape == cache.store[idx].keys.shape[:1]
+    prefix = torch.tensor([min(1, len(before[0][h])) for h in range(HEADS)])
+    taken = take_rows(cache.store[0], [1], prefix)
+    assert entry_statistics(taken) == [before[0][h][: int(prefix[h])] for h in range(HEADS)]
+    with pytest.raises(ValueError, match="differ in decode-cap statistics"):
+        VarLenLayer.concat([cache.store[0], random_layer(1, 12)])
