@@ -14,7 +14,8 @@ answer included):
   at a time, decoded together while they fit, rows leaving as they end;
   :mod:`pipeline.engine.continuous`), for the full cache and each compressed method x cache size;
 * **ours batch**: the full cache on the batch path, ``--full-caches`` documents prefilled together
-  and decoded until the longest answer ends (what jobs did before the continuous batch);
+  (left padded), then decoded in the same loop (rows leave as they end; before the one decode loop
+  this path decoded until the longest answer ended);
 * **transformers**: the same model with SDPA and ``generate``'s ``DynamicCache``, left-padded batches
   of ``--full-caches`` documents (the batch that fits the budget), the same prompt ids, greedy.
 
@@ -39,9 +40,9 @@ import torch
 from benchmarks.common import context_ids
 from benchmarks.roofline import PeakRSS, header, table, write_report
 from pipeline.engine.config import GenerationConfig, ModelConfig
-from pipeline.engine.continuous import ContinuousBatch
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
+from pipeline.engine.sequences import DocumentSource
 from pipeline.engine.types import Request
 from pipeline.kv.attention import register
 from pipeline.kv.config import CompressionConfig
@@ -61,8 +62,8 @@ def documents(tokenizer, count: int, length: int, question: str = INSTRUCTION) -
 def full_cache_bytes(engine: Engine, requests: list[Request]) -> int:
     """Bytes the largest document's full cache takes in our layout, room for its question and answer
     included (what the continuous batch reserves for it; transformers' cache needs about as much)."""
-    batch = ContinuousBatch(engine, engine.compressor, 0)
-    return max(batch._estimate(row) for request in requests for row in engine._rows_for(request))
+    source = DocumentSource(engine, engine.compressor)
+    return max(source.estimate(0, row) for request in requests for row in engine._rows_for(request))
 
 
 def run_ours(engine: Engine, requests: list[Request]) -> dict:

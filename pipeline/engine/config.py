@@ -97,7 +97,7 @@ class ContinuousBatching(_Strict):
         True,
         description="the documents of an actor call are prefilled one by one and decoded together while their "
         "caches fit --kv-memory, rows leaving as their answers end and waiting documents joining as memory frees; "
-        "off: prefilled together and decoded until the longest answer ends (sweeps and --max-cache-tokens always are)",
+        "off: prefilled together (left padded), then decoded in the same loop (as sweeps are)",
     )
     kv_memory: float | None = Field(
         None,

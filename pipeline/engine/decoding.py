@@ -1,10 +1,6 @@
-"""Prefill and greedy decoding over one cache: the context chunk, then each question round.
-
-For question round r (question r of every row), the question chunk is prefilled at positions
-continuing each row's own original context length, then tokens are decoded one by one until EOS or
-the row's ``max_new_tokens``; the cache is rolled back to the compressed context before the next
-round, so one compressed context answers many questions.
-"""
+"""Prefill over one cache and the answer text: the context chunk of a batch (in one pass or chunk by
+chunk), one chunk's forward, and how a row's generated tokens become its answer. The greedy decode
+itself is the decode loop's (:mod:`pipeline.engine.continuous`)."""
 
 from __future__ import annotations
 
@@ -15,10 +11,7 @@ import torch
 
 from .. import hooks
 from ..kv.cache import ChunkCache, VarLenCache, run_chunk
-from ..kv.rows import park_rows, unpark_rows
 from .batching import Row, left_pad
-from .fidelity import continuation_nll
-from .memory import now
 
 
 @dataclass
@@ -127,128 +120,5 @@ class Decoder:
         cache.end_chunked_prefill()
         return ctx_len, logits
 
-    def answer_rounds(
-        self,
-        cache: VarLenCache,
-        rows: list[Row],
-        ctx_len: torch.Tensor,
-        logits: torch.Tensor,
-        limits: list[int],
-        references: list[list[list[int]]] | None = None,
-        own_reference: bool = False,
-    ) -> list[list[RoundResult]]:
-        """Every question round from one compressed context (rolled back between rounds);
-        ``limits``: each row's max new tokens. Fidelity (:mod:`pipeline.engine.fidelity`) is measured
-        after each round's answers, of ``references`` ([round][row] token ids) or, with
-        ``own_reference``, of the round's own answers (the full cache's). Returns [round][row]."""
-        rounds = max(len(r.question_indices) for r in rows)
-        fidelity = references is not None or own_reference
-        cache.snapshot()
-        per_round = []
-        for r in range(rounds):
-            if r > 0:
-                cache.restore()
-            results, first_logits, mark = self._answer_round(cache, rows, r, ctx_len, logits, limits, fidelity)
-            if fidelity:
-                targets = [x.reference_tokens for x in results] if own_reference else references[r]
-                self._measure_fidelity(cache, mark, results, first_logits, targets, ctx_len)
-            per_round.append(results)
-        return per_round
-
-    def _measure_fidelity(self, cache, mark, results, first_logits, targets, ctx_len) -> None:
-        """Set each result's ``answer_nll``: the mean NLL of ``targets[b]`` after its question, with
-        the cache rolled back to ``mark`` (the end of the question chunk)."""
-        cache.rollback(mark)
-        start = ctx_len.to(self.device) + torch.tensor([x.question_tokens for x in results], device=self.device)
-        nll = continuation_nll(self.model, cache, first_logits, targets, start, self.pad_id)
-        for result, value in zip(results, nll):
-            result.answer_nll = value
-
-    def _answer_round(
-        self,
-        cache: VarLenCache,
-        rows: list[Row],
-        r: int,
-        ctx_len: torch.Tensor,
-        prefill_logits: torch.Tensor,
-        limits: list[int],
-        fidelity: bool = False,
-    ) -> tuple[list[RoundResult], torch.Tensor, list | None]:
-        """Prefill question r of every row (rows without one repeat their last) and decode greedily.
-        Also returns the logits that predict each row's first answer token (B, V) and, with
-        ``fidelity``, a checkpoint of the cache at the end of the question."""
-        q_ids = [row.prompt.question_ids[min(r, len(row.prompt.question_ids) - 1)] for row in rows]
-        q_len = torch.tensor([len(q) for q in q_ids])
-        t0 = now(self.device)
-        if int(q_len.max()) > 0:
-            cache.reserve(int(q_len.max()) + max(limits))
-            logits = self.forward(cache, *left_pad(q_ids, ctx_len, self.pad_id, self.device))
-        else:  # query-aware: the question was part of the context chunk
-            cache.reserve(max(limits))
-            logits = prefill_logits
-        q_s = now(self.device) - t0
-        mark = cache.checkpoint() if fidelity else None
-        t1 = now(self.device)
-        tokens, stops, steps, row_steps = self._greedy(cache, logits, (ctx_len + q_len).to(self.device), limits)
-        decode_s = now(self.device) - t1
-        reserved, used = cache.bytes_per_row().tolist(), cache.used_bytes_per_row().tolist()
-        texts = [self._text(tokens[b], stops[b]) for b in range(len(rows))]
-        results = [
-            RoundResult(
-                text=texts[b][0],
-                finish_reason=texts[b][1],
-                decode_batch=row_steps / steps if steps else None,
-                generated_tokens=len(tokens[b]) + (1 if len(tokens[b]) < limits[b] else 0),
-                question_tokens=int(q_len[b]),
-                question_s=q_s,
-                decode_s=decode_s,
-                steps=steps,
-                token_ids=tokens[b],
-                stop_id=stops[b],
-                kv_bytes_reserved=int(reserved[b]),
-                kv_bytes_used=int(used[b]),
-            )
-            for b in range(len(rows))
-        ]
-        return results, logits, mark
-
     def _text(self, tokens: list[int], stop_id: int | None) -> tuple[str, str]:
         return answer_text(self.tokenizer, tokens, cut=stop_id is None, end_at_sentence=self.end_at_sentence)
-
-    def _greedy(
-        self, cache: VarLenCache, logits: torch.Tensor, next_pos: torch.Tensor, limits: list[int]
-    ) -> tuple[list[list[int]], list[int | None], int, int]:
-        """Greedy tokens per row (EOS excluded), the EOS id that ended each row (None: its limit), the
-        number of decode forwards and the rows they decoded, summed. Once half the rows of the batch
-        have ended they leave it (:func:`~pipeline.kv.rows.park_rows`), so later steps decode the
-        active rows only; they are put back, in order, when every row has ended (not under a
-        decode-time cap, which evicts per row)."""
-        bsz = logits.shape[0]
-        tokens: list[list[int]] = [[] for _ in range(bsz)]
-        stops: list[int | None] = [None] * bsz
-        done = [False] * bsz
-        rows, parked, parked_rows = list(range(bsz)), [], []  # rows[j]: the batch row cache row j holds
-        steps = row_steps = 0
-        while True:
-            choice = logits.argmax(-1).tolist()
-            for j, b in enumerate(rows):
-                if not done[b]:
-                    if choice[j] in self.eos_ids:
-                        done[b], stops[b] = True, choice[j]
-                    else:
-                        tokens[b].append(choice[j])
-                        done[b] = len(tokens[b]) >= limits[b]
-            if all(done[b] for b in rows):
-                break
-            active = [j for j, b in enumerate(rows) if not done[b]]
-            if cache.cap is None and 2 * len(active) <= len(rows):
-                parked_rows.append([b for b in rows if done[b]])
-                parked.append(park_rows(cache, [j for j, b in enumerate(rows) if done[b]], active))
-                rows, choice, next_pos = [rows[j] for j in active], [choice[j] for j in active], next_pos[active]
-            step_ids = torch.tensor(choice, dtype=torch.long, device=self.device)[:, None]
-            logits = self.forward(cache, step_ids, next_pos[:, None])
-            next_pos = next_pos + 1
-            steps, row_steps = steps + 1, row_steps + len(rows)
-        if parked:
-            unpark_rows(cache, rows, parked, parked_rows)
-        return tokens, stops, steps, row_steps

@@ -1,12 +1,19 @@
 """The generation engine: prefill a batch of contexts into a compressing cache, then answer every
 question of each context from that cache with greedy decoding.
 
-Per batch of documents (left padded together, :mod:`pipeline.engine.batching`):
+Two decode paths, one flow each:
 
-1. context chunks are prefilled once; each layer is compressed right after its attention
-   (``compress_s`` measures scoring + selection + copying into the variable-length cache);
-2. every question round is answered from that cache (:mod:`pipeline.engine.decoding`);
-3. answers carry what they cost (:mod:`pipeline.engine.answers`).
+- the continuous batch (:mod:`pipeline.engine.continuous`, the jobs' default): documents prefilled
+  and compressed one by one, decoded together within a KV memory budget, rows leaving and joining;
+- the batch path (:mod:`pipeline.engine.sweep`): a batch of documents left padded together
+  (:mod:`pipeline.engine.batching`), prefilled once, every compression setting's cache decoded side
+  by side. A sweep has many settings; a plain batch (``continuous`` off, a decode-time cap, a document
+  retried alone) is a sweep of one setting, prefilled straight into its compressing cache.
+
+In both, each layer is compressed as early as the method's phases allow (``compress_s`` measures
+scoring + selection + copying into the variable-length cache), every question round is answered
+from that cache (:mod:`pipeline.engine.decoding`), and answers carry what they cost
+(:mod:`pipeline.engine.answers`).
 
 Failures stay with their document: a request that cannot be encoded, or a batch that raises, is
 retried document by document and a document that still fails yields answers with ``error`` set.
@@ -33,14 +40,14 @@ from ..kv.config import CompressionConfig
 from ..kv.phases import Phase
 from ..kv.rope import model_rotary
 from ..kv.varlen_kernels import KernelChoice
-from .answers import ContextCost, ModelShape, make_answers
+from .answers import ModelShape
 from .batching import Row, rows_for, warn_below_window
 from .config import GenerationConfig, ModelConfig
 from .continuous import ContinuousBatch
 from .decoding import Decoder
 from .kvzap_file import load_kvzap, resolve_kvzap
 from .loading import LoadedModel, load_model
-from .memory import PeakMemory, default_kv_budget, device_label, now
+from .memory import default_kv_budget, device_label, now
 from .priors import load_head_priors, resolve_head_priors
 from .prompts import PromptBuilder
 from .reconstruction import ContextReconstruction
@@ -138,9 +145,9 @@ class Engine:
 
     @property
     def continuous(self) -> bool:
-        """Whether :meth:`generate` decodes through a continuous batch (``continuous`` on, and no
-        decode-time cap, whose per-row eviction keeps each batch's rows together)."""
-        return self.generation.continuous and self.compression.max_cache_tokens is None
+        """Whether :meth:`generate` admits documents one by one into the decode loop within the KV
+        budget (``continuous``); otherwise a call's documents are prefilled together first."""
+        return self.generation.continuous
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -271,22 +278,9 @@ class Engine:
 
     @torch.inference_mode()
     def _run_batch(self, rows: list[Row], compressor: Compressor, setting: Setting | None = None) -> list[Answer]:
-        meter = PeakMemory(self.device)
-        limits = [self.max_new_tokens_for(row.request) for row in rows]
-        with meter:
-            t0 = now(self.device)
-            cache = self.new_cache(compressor)
-            ctx_len, logits = self.prefill(rows, cache)
-            prefill_s = now(self.device) - t0
-            per_round = self.decoder.answer_rounds(cache, rows, ctx_len, logits, limits)
-        cost = ContextCost(
-            cache.context_entries.tolist(),
-            cache.context_bytes.tolist(),
-            prefill_s,
-            cache.compress_seconds,
-            meter.peak_bytes,
-        )
-        return make_answers(rows, ctx_len.tolist(), per_round, cost, self.shape, setting)
+        """The rows prefilled together and decoded as one batch: a sweep of one setting, without
+        fidelity (:mod:`pipeline.engine.sweep`); the answers' ``setting`` is ``setting``."""
+        return SweepBatch(self, rows, [compressor], settings=[setting], fidelity=False).run()
 
     def _run_continuous(self, rows: list[Row]) -> list[Answer]:
         """Every row through one continuous decode batch; a row it could not answer runs alone."""

@@ -1,24 +1,28 @@
-"""Compression sweeps: every setting of a batch from one prefill, the compressed settings decoded
-side by side.
+"""The batch path: every compression setting of a batch of documents from one prefill, the compressed
+settings decoded side by side. A plain batch (one setting: a job with ``--no-continuous`` or a
+decode-time cap, a document retried alone) is a sweep of one setting.
 
-Per batch of B documents (:meth:`pipeline.engine.engine.Engine.generate_sweep`):
+Per batch of B documents (:meth:`pipeline.engine.engine.Engine.generate_sweep`, and with one setting
+:meth:`~pipeline.engine.engine.Engine.generate`'s batch path):
 
 1. one prefill into a :class:`~pipeline.kv.capture.CaptureCache` (every layer's dense K/V kept),
    then KVzip's reconstruction passes once per distinct (chunk, KVzip+) among the settings;
 2. the full-cache setting (if swept) is answered first, alone: its answers are the references
    whose likelihood every setting's cache is measured on (answer fidelity);
 3. the compressing settings, in groups of ``settings_per_decode`` (ordered by cache size and
-   allocation so that uniform settings of one size share a rectangular layout): each setting's
-   cache is built from the capture, the group's caches are stacked into one cache of g x B rows
-   (:meth:`~pipeline.kv.cache.VarLenCache.stacked`) and decoded as one batch. On CPU a decode step
-   is bound by reading the weights, so g rows cost little more than one.
+   allocation): each setting's cache is built from the capture and split into one-row caches, and
+   the group's g x B rows are decoded together in the decode loop (:mod:`pipeline.engine.continuous`):
+   each row prefills its question alone and leaves the batch the step its answer ends. On CPU a
+   decode step is bound by reading the weights, so g rows cost little more than one.
 
-A chunked setting (``prefill_chunk``) cannot use the shared prefill (its later chunks attend to its own
-compressed cache): it runs its own prefill and joins a decode group with its own cache and last
-logits; its ``ttft_s`` counts its own prefill. Each setting keeps its own kept entries and bytes and
-its own ``compress_s``; the question and
-decode times of a row are those of its group (``settings_per_decode=1`` gives per-setting times).
-Peak memory covers the capture plus one group's caches.
+A setting runs its own prefill instead of the shared one when it is the batch's only setting (a
+shared dense capture would only hold memory: its own prefill compresses each layer as the method's
+phases allow) or chunked (``prefill_chunk``: its later chunks attend to its own compressed cache); it
+joins a decode group with its own cache and last logits, and its ``ttft_s`` counts its own prefill.
+Answer fidelity (step 2 and the likelihood of the references) is measured only in sweeps
+(``fidelity``), as each row leaves. Each setting keeps its own kept entries and bytes and its own
+``compress_s``; a row's question time is its own and its decode time that of the steps it took part
+in (shared with the rows decoded beside it). Peak memory covers the capture plus one group's caches.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from ..kv.compress import Compressor
 from ..kv.phases import Phase
 from .answers import ContextCost, make_answers
 from .batching import Row, warn_below_window
+from .continuous import ContinuousBatch
 from .memory import PeakMemory, now
+from .sequences import PrebuiltSource
 from .types import Answer, Setting
 
 
@@ -70,33 +76,48 @@ class SweepBatch:
     """One batch of a sweep (see the module docstring); ``engine`` supplies the model's decoder,
     reconstruction passes, shape and limits."""
 
-    def __init__(self, engine, rows: list[Row], compressors: list[Compressor]) -> None:
-        self.engine, self.rows, self.compressors = engine, rows, compressors
+    def __init__(
+        self,
+        engine,
+        rows: list[Row],
+        compressors: list[Compressor],
+        settings: list[Setting | None] | None = None,
+        fidelity: bool = True,
+    ) -> None:
+        """``settings``: what each compressor's answers are labelled with (default: its method, cache
+        size and budget); ``fidelity``: measure answer fidelity against the full cache (sweeps)."""
+        self.engine, self.rows, self.compressors, self.fidelity = engine, rows, compressors, fidelity
+        self.settings = settings or [Setting(c.config.label, c.config.cache_size, c.config.budget) for c in compressors]
         self.limits = [engine.max_new_tokens_for(row.request) for row in rows]
         self.reference = None
         self.results: dict[int, tuple] = {}
 
+    def own_prefill(self, index: int) -> bool:
+        """Whether setting ``index`` runs its own prefill (see the module docstring)."""
+        return len(self.compressors) == 1 or self.compressors[index].config.chunked
+
     def run(self) -> list[Answer]:
         engine, rows = self.engine, self.rows
-        for compressor in self.compressors:
-            if not compressor.config.chunked:  # a chunked setting's own prefill warns
-                warn_below_window(rows, compressor.config)
+        shared = [c for i, c in enumerate(self.compressors) if not self.own_prefill(i)]
+        for compressor in shared:  # an own prefill warns itself
+            warn_below_window(rows, compressor.config)
+        ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
         meter = PeakMemory(engine.device)
         with meter:
-            capture = CaptureCache(engine.shape.num_layers, self.compressors, engine.kernels)
-            t0 = now(engine.device)
-            ctx_len, logits = engine.decoder.prefill(rows, capture)
-            prefill_s = now(engine.device) - t0
-            passes = self._reconstructions(capture)
+            capture, logits, prefill_s, passes = None, None, 0.0, {}
+            if shared:
+                capture = CaptureCache(engine.shape.num_layers, self.compressors, engine.kernels)
+                t0 = now(engine.device)
+                _, logits = engine.decoder.prefill(rows, capture)
+                prefill_s = now(engine.device) - t0
+                passes = self._reconstructions(capture)
             for group in decode_groups(self.compressors, engine.generation.settings_per_decode):
                 self._decode_group(group, capture, passes, ctx_len, logits)
         answers = []
-        for index, compressor in enumerate(self.compressors):
+        for index, setting in enumerate(self.settings):
             entries, kept_bytes, compress_s, per_round, own_prefill = self.results[index]
-            cfg = compressor.config
             context_s = own_prefill if own_prefill is not None else prefill_s + compress_s
             cost = ContextCost(entries, kept_bytes, context_s, compress_s, meter.peak_bytes)
-            setting = Setting(cfg.label, cfg.cache_size, cfg.budget)
             answers += make_answers(rows, ctx_len.tolist(), per_round, cost, engine.shape, setting, self.reference)
         return answers
 
@@ -114,41 +135,60 @@ class SweepBatch:
             out[key] = (scores, now(self.engine.device) - t0)
         return out
 
-    def _chunked_prefill(self, compressor: Compressor) -> tuple[VarLenCache, object, float]:
-        """A chunked setting's cache, last logits and seconds from its own prefill (its ``ttft_s``
-        counts that prefill instead of the shared one)."""
+    def _own_prefill(self, compressor: Compressor) -> tuple[VarLenCache, object, float]:
+        """A setting's cache, last logits and seconds from its own prefill, compression included (its
+        ``ttft_s`` counts that prefill instead of the shared one)."""
         t0 = now(self.engine.device)
         cache = self.engine.new_cache(compressor)
         _, logits = self.engine.prefill(self.rows, cache)
         return cache, logits, now(self.engine.device) - t0
 
-    def _decode_group(self, group: list[int], capture: CaptureCache, passes: dict, ctx_len, logits) -> None:
-        """Build the group's caches, stack them, answer every round; store each setting's share."""
-        built, caches, first_logits = [], [], []
+    def _decode_group(self, group: list[int], capture: CaptureCache | None, passes: dict, ctx_len, logits) -> None:
+        """Build the group's caches, split them into one-row caches and decode those together in the
+        decode loop (:mod:`pipeline.engine.continuous`); store each setting's share."""
+        built, opened = [], []
         for index in group:
             own_prefill, own_logits = None, logits
-            if self.compressors[index].config.chunked:  # its own prefill: later chunks see the compressed cache
-                cache, own_logits, own_prefill = self._chunked_prefill(self.compressors[index])
+            if self.own_prefill(index):
+                cache, own_logits, own_prefill = self._own_prefill(self.compressors[index])
                 seconds = cache.compress_seconds
             else:
                 scores, pass_s = passes.get(reconstruction_key(self.compressors[index]), (None, 0.0))
                 cache = capture.compressed(index, observed=scores)
                 seconds = cache.compress_seconds + pass_s
-            built.append((cache.context_entries.tolist(), cache.context_bytes.tolist(), seconds, own_prefill))
-            caches.append(cache)
-            first_logits.append(own_logits)
-        cache = caches[0] if len(caches) == 1 else VarLenCache.stacked(caches)
-        del caches  # the stacked copy is all that stays alive
+            entries, kept_bytes = cache.context_entries.tolist(), cache.context_bytes.tolist()
+            built.append((entries, kept_bytes, seconds, own_prefill))
+            costs = [(entries[b], kept_bytes[b], own_prefill or 0.0, seconds) for b in range(len(self.rows))]
+            opened += PrebuiltSource.split(cache, ctx_len, own_logits, costs)
+            del cache  # its rows live on in the one-row caches
         g, b = len(group), len(self.rows)
-        decoder = self.engine.decoder
-        refs = None if self.reference is None else [[x.reference_tokens for x in rnd] * g for rnd in self.reference]
-        own = self.reference is None and not self.compressors[group[0]].config.compresses
-        per_round = decoder.answer_rounds(
-            cache, self.rows * g, ctx_len.repeat(g), torch.cat(first_logits), self.limits * g, refs, own_reference=own
+        own = self.fidelity and self.reference is None and not self.compressors[group[0]].config.compresses
+        references = None
+        if not own and self.fidelity and self.reference is not None:
+            row_refs = [[rnd[k].reference_tokens for rnd in self.reference if rnd[k] is not None] for k in range(b)]
+            references = {j * b + k: row_refs[k] for j in range(g) for k in range(b)}
+        batch = ContinuousBatch(
+            self.engine,
+            self.compressors[group[0]],
+            float("inf"),  # the group's caches exist already: every row joins at once
+            PrebuiltSource(opened),
+            fidelity=own or references is not None,
+            references=references,
         )
+        del opened
+        batch.decode(self.rows * g)
+        if batch.failed:  # the engine retries the documents one by one
+            raise next(iter(batch.failed.values()))
+        rounds = max(len(row.question_indices) for row in self.rows)
+        per_round = [[_round(batch.done[k], r) for k in range(g * b)] for r in range(rounds)]
         if own:
             self.reference = per_round
         for j, index in enumerate(group):
             entries, kept_bytes, compress_s, own_prefill = built[j]
             share = [rnd[j * b : (j + 1) * b] for rnd in per_round]
             self.results[index] = (entries, kept_bytes, compress_s, share, own_prefill)
+
+
+def _round(seq, r: int):
+    """Round ``r``'s result of a decoded row (None: the row has fewer questions)."""
+    return seq.results[r] if r < len(seq.results) else None

@@ -1,5 +1,5 @@
-"""The continuous decode batch (pipeline.engine.continuous), and rows leaving the batch path once half
-have ended (pipeline.engine.decoding), on tiny random models.
+"""The decode loop (pipeline.engine.continuous): the jobs' continuous batch, the batch path and sweeps,
+on tiny random models.
 
 * answers equal each document answered alone (the batch path, one document per batch) for every
   method of every part family, with rows ending at different steps (different token limits, EOS),
@@ -7,8 +7,9 @@ have ended (pipeline.engine.decoding), on tiny random models.
   others leave (a budget that holds only some of them);
 * the batch's KV memory never exceeds the budget; a document larger than the budget decodes alone;
 * a document whose prefill fails yields error rows and the others are answered;
-* the batch path and sweeps (rows parked once half have ended) give each document's answers and
-  fidelity NLL alone.
+* the batch path and sweeps decode in the same loop (rows leave the step they end) and give each
+  document's answers and fidelity NLL alone; under a decode-time cap every question round starts
+  from the compressed context.
 """
 
 import pytest
@@ -17,6 +18,7 @@ from pipeline import hooks
 from pipeline.engine.config import GenerationConfig
 from pipeline.engine.continuous import ContinuousBatch
 from pipeline.engine.engine import Engine
+from pipeline.engine.sequences import DocumentSource
 from pipeline.engine.types import Request
 from pipeline.kv.config import CompressionConfig
 from tests.faults import Faults
@@ -66,8 +68,8 @@ def _fields(answers):
 
 def _budget_for(engine, requests, rows_at_once):
     """MiB that hold about ``rows_at_once`` of these documents' footprints."""
-    batch = ContinuousBatch(engine, engine.compressor, 0)
-    sizes = sorted(batch._estimate(row) for r in requests for row in engine._rows_for(r))
+    source = DocumentSource(engine, engine.compressor)
+    sizes = sorted(source.estimate(0, row) for r in requests for row in engine._rows_for(r))
     return sum(sizes[-rows_at_once:]) / 2**20
 
 
@@ -118,7 +120,7 @@ def test_the_default_budget_is_a_share_of_the_memory_available(tmp_path, monkeyp
     assert engine.kv_budget_bytes == 2 * 2**30  # decided once, not per call
     engine.generation.kv_memory = 3.5
     assert engine.kv_budget_bytes == int(3.5 * 2**20)  # --kv-memory wins
-    assert not _engine("snapkv", tmp=tmp_path, max_cache_tokens=12).continuous  # the decode cap: batch path
+    assert not _engine("snapkv", tmp=tmp_path, continuous=False).continuous
 
 
 def test_a_document_larger_than_the_budget_decodes_alone(tmp_path, caplog):
@@ -152,31 +154,53 @@ def test_a_failing_document_yields_error_rows_and_the_others_are_answered(faults
 
 
 @pytest.fixture
-def parked(monkeypatch):
-    """Counts the batch path's row departures (pipeline.engine.decoding's park_rows)."""
-    import pipeline.engine.decoding as decoding
+def step_sizes(monkeypatch):
+    """The rows of every decode step of the decode loop (pipeline.engine.continuous)."""
+    sizes, original = [], ContinuousBatch._step
 
-    calls, original = [], decoding.park_rows
+    def spy(self, cache, active):
+        sizes.append(len(active))
+        return original(self, cache, active)
 
-    def spy(cache, leaving, staying):
-        calls.append(len(leaving))
-        return original(cache, leaving, staying)
-
-    monkeypatch.setattr(decoding, "park_rows", spy)
-    return calls
+    monkeypatch.setattr(ContinuousBatch, "_step", spy)
+    return sizes
 
 
 @pytest.mark.parametrize("method", ["none", "snapkv", "criticalkv-layer-knorm", "adakv-kvzip"])
-def test_batch_path_rows_leave_once_half_have_ended(method, parked, tmp_path):
-    """The batch path (documents prefilled together) decodes only its active rows once half have ended:
-    answers equal each document alone."""
+def test_batch_path_rows_leave_the_step_their_answer_ends(method, step_sizes, tmp_path):
+    """The batch path (documents prefilled together) decodes in the decode loop: rows leave as they
+    end (the batch shrinks), and answers equal each document alone."""
     requests = _requests()
     together = _engine(method, tmp=tmp_path, batch_size=5, continuous=False).generate(requests)
-    assert parked  # rows with smaller limits ended first and left
+    assert max(step_sizes) > 1 and len(set(step_sizes)) > 1
     assert _fields(together) == _fields(_engine(method, tmp=tmp_path, continuous=False).generate(requests))
 
 
-def test_sweep_rows_leave_and_fidelity_is_unchanged(parked, tmp_path):
+@pytest.mark.parametrize("method", ["snapkv", "criticalkv-adakv-snapkv"])
+def test_decode_capped_rows_answer_each_question_from_their_compressed_context(method, step_sizes, tmp_path):
+    """Under a decode-time cap (eviction reorders a row's entries) rows of the decode loop leave and
+    join with their statistics, and every question round starts from the compressed context: each
+    answer equals that question asked alone in a request of its own."""
+    requests = _requests()
+    capped = {"max_cache_tokens": 12}
+    together = _engine(method, tmp=tmp_path, batch_size=5, continuous=False, **capped).generate(requests)
+    assert max(step_sizes) > 1
+    single = [
+        Request(r.doc_id, r.context, [q], answer_prefix=r.answer_prefix, max_new_tokens=r.max_new_tokens)
+        for r in requests
+        for q in r.questions
+    ]
+    alone = _engine(method, tmp=tmp_path, continuous=False, **capped).generate(single)
+    assert [f[:1] + f[2:] for f in _fields(together)] == [f[:1] + f[2:] for f in _fields(alone)]
+    assert any(a.question_id != "0" for a in together)  # several questions per document were asked
+    admitted = _engine(method, tmp=tmp_path, batch_size=5, **capped)  # documents admitted one by one
+    admitted.generation.kv_memory = _budget_for(admitted, requests, 1)
+    assert _fields(admitted.generate(requests)) == _fields(together)
+    assert 1 < admitted.last_continuous.largest_batch < len(requests)  # the budget held some back
+    assert 0 < admitted.last_continuous.largest_bytes <= admitted.kv_budget_bytes
+
+
+def test_sweep_rows_leave_and_fidelity_is_unchanged(step_sizes, tmp_path):
     requests = _requests()
     settings = [
         CompressionConfig(method=m, cache_size=c, window=4, kernel=3)
@@ -189,7 +213,7 @@ def test_sweep_rows_leave_and_fidelity_is_unchanged(parked, tmp_path):
         return [[(*f, a.answer_nll) for f, a in zip(_fields(s), s)] for s in engine.generate_sweep(requests, settings)]
 
     together = sweep(5, 4)
-    assert parked
+    assert max(step_sizes) > 5  # rows of several settings decoded together
     alone = sweep(1, 1)
     for got, expected in zip(together, alone):
         assert [g[:-1] for g in got] == [e[:-1] for e in expected]
