@@ -22,7 +22,7 @@ import sys
 import tempfile
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -74,6 +74,8 @@ GENERATED_ONLY = {"tasks", "length", "samples", "seed", "summary_tokens"}  # opt
 
 class EvalJob(JobConfig):
     """Sweep"""
+
+    auto_batch_size: ClassVar[int] = 1  # a sweep's batch is its settings: one document per call unless asked
 
     job: Literal["eval_compression"] = Field("eval_compression", json_schema_extra=HIDDEN)
     input: str | None = Field(

@@ -22,9 +22,10 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -68,6 +69,9 @@ class JobConfig(CommandLineConfig):
     """Input and output"""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # documents per actor call without --batch-size: enough rows for the continuous decode batch to
+    # decode several documents at once (docs/BENCHMARKS.md measures it), few enough to commit often
+    auto_batch_size: ClassVar[int] = 8
 
     job: Literal["longdoc_qa", "summarize", "eval_compression"] = Field("longdoc_qa", json_schema_extra=HIDDEN)
     # --- input
@@ -256,10 +260,15 @@ class JobConfig(CommandLineConfig):
         """Every compression this job runs (checked for the files they need before Ray starts)."""
         return [self.compression, *self.sweep]
 
-    @property
-    def batch_size(self) -> int:
-        """Documents per actor call; equal to the engine's prefill batch (one call = one batch)."""
-        return self.generation.batch_size
+    def batch_size_for(self, documents: int | None) -> int:
+        """Documents per actor call (one call = one continuous decode batch, or one prefill batch):
+        ``--batch-size``, else :attr:`auto_batch_size`, lowered to spread ``documents`` (None: not known
+        before the run) over ``max_actors`` so that no actor idles for want of a call."""
+        if self.generation.batch_size is not None:
+            return self.generation.batch_size
+        if documents is None:
+            return self.auto_batch_size
+        return max(1, min(self.auto_batch_size, math.ceil(documents / self.max_actors)))
 
     def resolved_cpus_per_actor(self, cluster_cpus: float | None = None) -> float:
         if self.cpus_per_actor is not None:

@@ -59,9 +59,10 @@ def build_dataset(
     score: ScoreFunction | None = None,
 ):
     """The job's dataset: ``docs`` (driver-normalised) or the Ray-normalised input, then the actors."""
+    batch_size = config.batch_size_for(docs.num_rows if docs is not None else None)
     if docs is not None:
         # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
-        ds = ray.data.from_blocks(blocks_of(docs, config.batch_size))
+        ds = ray.data.from_blocks(blocks_of(docs, batch_size))
     else:
         ds = ray_documents(config, done)
     job_fields = {
@@ -86,7 +87,7 @@ def build_dataset(
         },
         compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
         num_cpus=cpus,
-        batch_size=config.batch_size,
+        batch_size=batch_size,
         batch_format="pyarrow",
         **gpu_args,
     )

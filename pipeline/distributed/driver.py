@@ -25,7 +25,7 @@ Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipelin
    when every one of its question ids has a committed row (with ``retry_errors``: a row without
    ``error``); done documents are not scheduled again.
 4. **Ray**: ``map_batches(Predictor, compute=ActorPoolStrategy(min_actors, max_actors),
-   num_gpus=gpus_per_actor, num_cpus=cpus_per_actor, batch_size=generation.batch_size,
+   num_gpus=gpus_per_actor, num_cpus=cpus_per_actor, batch_size=config.batch_size_for(documents),
    batch_format="pyarrow")``; the driver iterates the result blocks (``iter_batches(batch_size=None)``)
    and commits each actor batch's rows as one Parquet file as it arrives
    (:class:`pipeline.distributed.sink.BatchCommitter`: an atomic commit per file), so files appear

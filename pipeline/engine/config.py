@@ -75,11 +75,15 @@ class DecodingConfig(_GenerationOptions):
     """Generation (greedy decoding, stopping at EOS or after max_new_tokens): what every job decodes with."""
 
     max_new_tokens: int = Field(64, ge=1, le=8192, description="generated tokens per answer at most")
-    batch_size: int = Field(
-        1,
+    batch_size: int | None = Field(
+        None,
         ge=1,
         description="documents per actor call: decoded as one continuous batch (--no-continuous: prefilled "
         "together, left padded)",
+        json_schema_extra={
+            "shown_default": "auto: 8, fewer when the input would leave actors idle (documents / max actors); "
+            "1 for sweeps"
+        },
     )
     end_at_sentence: bool = Field(
         False, description="an answer cut by max_new_tokens ends at its last complete sentence (summaries)"

@@ -227,7 +227,7 @@ class Engine:
                 for v in range(variants):
                     for q, qid in enumerate(request.question_ids or ["0"]):
                         answers[(v, i, q)] = _error_answer(request, qid, exc)
-        size = max(len(rows), 1) if whole else self.generation.batch_size
+        size = max(len(rows), 1) if whole or not self.generation.batch_size else self.generation.batch_size
         for begin in range(0, len(rows), size):
             batch = rows[begin : begin + size]
             try:

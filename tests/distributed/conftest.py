@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY_FACTORY = "tests.distributed.helpers:tiny_engine"
 # job flags that run the tiny in-code Llama on one CPU per actor (add --max-new-tokens and the rest)
 TINY_JOB_ARGS = ["--model", "tiny-llama", "--engine-factory", TINY_FACTORY, "--window", "4", "--kernel", "3"]
-TINY_JOB_ARGS += ["--cpus-per-actor", "1"]
+TINY_JOB_ARGS += ["--cpus-per-actor", "1", "--batch-size", "1"]  # one document per call: tests count per document
 # the jobs' default method (kvzap + shares) needs a KVzap file made for the model: none exists for the
 # random tiny models, so these runs name a method that needs none (the previous default)
 TINY_JOB_ARGS += ["--method", "criticalkv-layer-kvzip"]
@@ -63,13 +63,14 @@ def faults(local_ray):
 
 def tiny_config(output, **overrides) -> JobConfig:
     """A job config (the job's own class, which offers the built-in samples) running the tiny Llama
-    with CriticalKV at 50 % on one 1-CPU actor."""
+    with CriticalKV at 50 % on one 1-CPU actor, one document per actor call (the commit, resume and
+    fault tests count per document; the automatic batch size has its own tests)."""
     settings = dict(
         output=str(output),
         model={"name": "tiny-llama"},
         engine_factory=TINY_FACTORY,
         compression={"method": "criticalkv-snapkv", "cache_size": 0.5, "window": 4, "kernel": 3},
-        generation={"max_new_tokens": 3},
+        generation={"max_new_tokens": 3, "batch_size": 1},
         cpus_per_actor=1,
         rows_per_file=2,
         sample_words=60,

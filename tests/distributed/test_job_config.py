@@ -103,6 +103,21 @@ def test_job_defaults_and_fresh_output_dir():
     assert config_from_args("longdoc_qa", ["--method", "none"]).compression.method == "none"
 
 
+def test_the_automatic_batch_size_fills_calls_without_idling_actors():
+    """Without --batch-size a call holds up to 8 documents (a continuous decode batch), fewer when that
+    would leave actors without a call; a sweep decodes its settings side by side, one document a call."""
+    qa = config_from_args("longdoc_qa", [])
+    assert qa.generation.batch_size is None
+    assert [qa.batch_size_for(n) for n in (None, 1, 3, 8, 100)] == [8, 1, 3, 8, 8]
+    pool = config_from_args("longdoc_qa", ["--num-actors", "4"])
+    assert [pool.batch_size_for(n) for n in (4, 10, 33, 1000)] == [1, 3, 8, 8]
+    assert config_from_args("longdoc_qa", ["--batch-size", "2"]).batch_size_for(100) == 2
+    from pipeline.apps.eval_sweep import EvalJob
+
+    assert EvalJob(output="o").batch_size_for(100) == 1
+    assert config_from_args("summarize", ["--num-actors", "2"]).batch_size_for(5) == 3
+
+
 def test_method_parts_and_spelling_are_one_setting(tmp_path):
     by_parts = config_from_args("longdoc_qa", ["--scorer", "snapkv", "--allocation", "headkv", "--selection", "topk"])
     by_name = config_from_args("longdoc_qa", ["--method", "headkv-snapkv"])

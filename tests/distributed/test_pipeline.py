@@ -54,6 +54,18 @@ def first_run(local_ray, tmp_path_factory):
     return docs, config, run_job(config, echo=False)
 
 
+def test_an_automatic_batch_decodes_an_actors_documents_together(local_ray, tmp_path):
+    """Without --batch-size one actor's call holds the documents (here all 5): they share decode steps."""
+    docs = small_docs(5)
+    path = write_documents(docs, tmp_path / "in.parquet")
+    config = tiny_config(tmp_path / "out", input=str(path), generation={"batch_size": None, "max_new_tokens": 6})
+    assert config.batch_size_for(len(docs)) == 5
+    result = run_job(config, echo=False)
+    rows = pq.read_table(result.data_dir).to_pylist()
+    assert len(rows) == sum(len(d["question_ids"]) for d in docs) and all(r["error"] is None for r in rows)
+    assert max(r["decode_batch"] or 0 for r in rows) > 1
+
+
 def test_every_question_exactly_once_with_schema_types(first_run):
     docs, config, result = first_run
     table = _read(result.data_dir)
@@ -72,7 +84,7 @@ def test_every_question_exactly_once_with_schema_types(first_run):
         assert 0 < r["kv_bytes_kept"] < r["kv_bytes_full"] and r["ttft_s"] > 0 and r["device"].startswith("cpu")
         assert 1 <= r["generated_tokens"] <= 3
         assert r["finish_reason"] == ("length" if r["generated_tokens"] == 3 else "stop")
-        assert r["decode_batch"] is None or 1.0 <= r["decode_batch"] <= config.batch_size
+        assert r["decode_batch"] is None or 1.0 <= r["decode_batch"] <= config.batch_size_for(len(docs))
     hashes = {(d["doc_id"], q): h for d in docs for q, h in question_hashes(d).items()}
     assert all(r["input_hash"] == hashes[(r["doc_id"], r["question_id"])] for r in rows)
     assert result.missing_rows == 0 and result.duplicates_removed == 0
