@@ -21,8 +21,8 @@ class RoundResult:
     text: str
     generated_tokens: int  # EOS counts as generated
     question_tokens: int
-    question_s: float  # the round's question prefill (the batch's)
-    decode_s: float  # the round's decode steps after the first token (the batch's)
+    question_s: float  # the round's question prefill (its own, or the chunk of the rows that joined with it)
+    decode_s: float  # the decode steps the row took part in after its first token (shared with their rows)
     steps: int
     token_ids: list[int] = field(default_factory=list)  # the answer's tokens (EOS excluded)
     stop_id: int | None = None  # the EOS id that ended the answer, None when the limit did

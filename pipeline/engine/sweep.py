@@ -12,8 +12,9 @@ Per batch of B documents (:meth:`pipeline.engine.engine.Engine.generate_sweep`, 
 3. the compressing settings, in groups of ``settings_per_decode`` (ordered by cache size and
    allocation): each setting's cache is built from the capture and split into one-row caches, and
    the group's g x B rows are decoded together in the decode loop (:mod:`pipeline.engine.continuous`):
-   each row prefills its question alone and leaves the batch the step its answer ends. On CPU a
-   decode step is bound by reading the weights, so g rows cost little more than one.
+   their first questions prefilled together (one left-padded chunk), each row leaving the batch the
+   step its answer ends. On CPU a decode step is bound by reading the weights, so g rows cost little
+   more than one.
 
 A setting runs its own prefill instead of the shared one when it is the batch's only setting (a
 shared dense capture would only hold memory: its own prefill compresses each layer as the method's
@@ -21,8 +22,9 @@ phases allow) or chunked (``prefill_chunk``: its later chunks attend to its own 
 joins a decode group with its own cache and last logits, and its ``ttft_s`` counts its own prefill.
 Answer fidelity (step 2 and the likelihood of the references) is measured only in sweeps
 (``fidelity``), as each row leaves. Each setting keeps its own kept entries and bytes and its own
-``compress_s``; a row's question time is its own and its decode time that of the steps it took part
-in (shared with the rows decoded beside it). Peak memory covers the capture plus one group's caches.
+``compress_s``; a row's question time is its group's first-question prefill (a later question's: its
+own) and its decode time that of the steps it took part in (shared with the rows decoded beside it).
+Peak memory covers the capture plus one group's caches.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .types import Answer, Setting
 def decode_groups(compressors: list[Compressor], size: int) -> list[list[int]]:
     """Indices of ``compressors`` in decode groups: full-cache settings first, each alone; then the
     compressing ones by (cache size, allocation, budget), ``size`` per group; settings with a
-    decode-time cap alone (their caches evict per row and cannot be stacked)."""
+    decode-time cap alone (the batch cache of a group applies one cap to all its rows)."""
     full = [i for i, c in enumerate(compressors) if not c.config.compresses]
     alone = [i for i, c in enumerate(compressors) if c.config.compresses and _own_cache(c)]
     rest = [i for i, c in enumerate(compressors) if c.config.compresses and not _own_cache(c)]
@@ -55,8 +57,9 @@ def decode_groups(compressors: list[Compressor], size: int) -> list[list[int]]:
 
 
 def _own_cache(compressor: Compressor) -> bool:
-    """Decoded alone: a decode-time cap evicts per row (a chunked setting is stacked like the others,
-    with its own cache and last logits)."""
+    """Decoded alone: a decode-time cap belongs to the decode loop's batch cache, which would apply it to
+    every row of a group (a chunked setting joins a group like the others, with its own cache and last
+    logits)."""
     return compressor.config.max_cache_tokens is not None
 
 
@@ -88,7 +91,6 @@ class SweepBatch:
         size and budget); ``fidelity``: measure answer fidelity against the full cache (sweeps)."""
         self.engine, self.rows, self.compressors, self.fidelity = engine, rows, compressors, fidelity
         self.settings = settings or [Setting(c.config.label, c.config.cache_size, c.config.budget) for c in compressors]
-        self.limits = [engine.max_new_tokens_for(row.request) for row in rows]
         self.reference = None
         self.results: dict[int, tuple] = {}
 

@@ -180,20 +180,6 @@ class VarLenCache(ChunkCache):
         cache._finish_context()
         return cache
 
-    @classmethod
-    def stacked(cls, caches: list[VarLenCache]) -> VarLenCache:
-        """One cache whose rows are the rows of ``caches`` in order (compressed contexts of several
-        settings decoded side by side). Each source's ``context_entries`` / ``context_bytes`` stay
-        on it; the stacked cache's are those of its rows. Caches with a decode cap, or not yet
-        compressed, cannot be stacked."""
-        first = caches[0]
-        if any(c.cap is not None or any(layer is None for layer in c.store) for c in caches):
-            raise ValueError("only compressed caches without a decode cap can be stacked")
-        cache = cls(first.num_layers, first.compressor, first.kernels)
-        cache.store = [VarLenLayer.concat([c.store[i] for c in caches]) for i in range(first.num_layers)]
-        cache._finish_context()
-        return cache
-
     @property
     def kept_fraction(self) -> float:
         return self.compressor.config.cache_size

@@ -260,11 +260,12 @@ def test_sweep_from_one_prefill_equals_separate_runs(query_aware, priors):
         assert answers[-1].error and "context is empty" in answers[-1].error
 
 
-def test_sweep_decode_groups_and_stacked_caches():
-    """Settings decoded side by side (stacked caches) answer as each decoded alone; full-cache and
-    decode-capped settings are decoded alone; a stacked cache holds each source's kept entries."""
+def test_sweep_decode_groups_and_one_row_caches():
+    """Settings decoded side by side answer as each decoded alone; full-cache and decode-capped
+    settings are decoded alone; a batch's cache split into one-row caches (how its rows join the
+    decode loop) holds each row's kept entries, as each document compressed alone."""
+    from pipeline.engine.sequences import PrebuiltSource
     from pipeline.engine.sweep import decode_groups
-    from pipeline.kv.cache import VarLenCache
 
     settings = [
         CompressionConfig(method=m, cache_size=s, window=4, kernel=3)
@@ -286,14 +287,17 @@ def test_sweep_decode_groups_and_stacked_caches():
     assert answers[1] == answers[4]
 
     engine = _engine(method="criticalkv-adakv-snapkv", cache_size=0.4)
-    first, second = engine.compress_context(requests[0]), engine.compress_context(requests[1])
-    stacked = VarLenCache.stacked([first, second])
-    assert stacked.store[0].num_rows == 2
-    for layer in range(len(stacked.store)):
-        for head in range(stacked.store[0].num_heads):
-            assert torch.equal(stacked.kept_positions(layer, 0, head), first.kept_positions(layer, 0, head))
-            assert torch.equal(stacked.kept_positions(layer, 1, head), second.kept_positions(layer, 0, head))
-    assert stacked.context_entries.tolist() == first.context_entries.tolist() + second.context_entries.tolist()
+    rows = [row for request in requests for row in engine._rows_for(request)[:1]]
+    together = engine.new_cache(engine.compressor)
+    ctx_len, logits = engine.prefill(rows, together)
+    costs = [(0, 0, 0.0, 0.0)] * len(rows)
+    for request, row, opened in zip(requests, rows, PrebuiltSource.split(together, ctx_len, logits, costs)):
+        alone = engine.compress_context(request)
+        assert opened.cache.store[0].num_rows == 1 and opened.ctx_len == len(row.prompt.context_ids)
+        for layer in range(len(alone.store)):
+            for head in range(alone.store[0].num_heads):
+                assert torch.equal(opened.cache.kept_positions(layer, 0, head), alone.kept_positions(layer, 0, head))
+        assert opened.cache.context_entries.tolist() == alone.context_entries.tolist()
 
 
 @pytest.mark.parametrize("method", ["kvzap", "criticalkv-shares-kvzap", "layer-knorm", "adakv-snapkv"])

@@ -46,6 +46,8 @@ def _command(path: Path, out: Path) -> list[str]:
         "48",
         "--rows-per-file",
         "1",
+        "--batch-size",  # one document per call: the kill falls between commits
+        "1",
         "--num-actors",
         "1",
         "--cpus-per-actor",
