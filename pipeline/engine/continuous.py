@@ -231,10 +231,10 @@ class ContinuousBatch:
         heads, footprints = self.engine.shape.num_kv_heads, together.bytes_per_row().tolist()
         for k, (seq, q_ids) in enumerate(zip(seqs, questions)):
             self._asked(seq, logits[k], len(q_ids), seconds, footprints[k])
-            if self.fidelity:
+            if self.fidelity and self.capped:  # the row at its question's end: a copy under a cap ...
+                seq.asked = [take_rows(layer, [k]) for layer in together.store]
+            elif self.fidelity:  # ... else its segment lengths
                 seq.asked = [m[k * heads : (k + 1) * heads] for m in marks]
-                if self.capped:
-                    seq.asked = [take_rows(layer, [k]) for layer in together.store]
         return [(seqs, together)]
 
     def _ask(self, seq: Sequence, one: VarLenCache) -> None:
@@ -248,14 +248,15 @@ class ContinuousBatch:
             ids = torch.tensor([q_ids], dtype=torch.long, device=self.engine.device)
             pos = (seq.ctx_len + torch.arange(len(q_ids), device=self.engine.device))[None]
             logits = self.decoder.forward(one, ids, pos)[0]
-        footprint = int(one.bytes_per_row()[0]) + sum(layer.nbytes() for layer in seq.saved_context or [])
-        self._asked(seq, logits, len(q_ids), now(self.engine.device) - t0, footprint)
+        self._asked(seq, logits, len(q_ids), now(self.engine.device) - t0, int(one.bytes_per_row()[0]))
         if self.fidelity:
             seq.asked = [layer.clone() for layer in one.store] if self.capped else layer_lengths(one)
 
-    def _asked(self, seq: Sequence, logits: torch.Tensor, question_tokens: int, seconds: float, footprint: int) -> None:
-        """Start the row's answer after its question (``logits``: (V,) predicting its first token)."""
-        seq.question_s, seq.footprint = seconds, footprint
+    def _asked(self, seq: Sequence, logits: torch.Tensor, question_tokens: int, seconds: float, row_bytes: int) -> None:
+        """Start the row's answer after its question (``logits``: (V,) predicting its first token;
+        ``row_bytes``: its rows of the cache); its footprint counts a saved context copy too."""
+        seq.question_s = seconds
+        seq.footprint = row_bytes + sum(layer.nbytes() for layer in seq.saved_context or [])
         seq.logits, seq.question_logits = logits, logits
         seq.next_pos, seq.question_tokens = seq.ctx_len + question_tokens, question_tokens
         seq.tokens, seq.stop_id, seq.decode_s, seq.steps, seq.row_steps = [], None, 0.0, 0, 0

@@ -5,7 +5,7 @@ give a row its compressed context when it is admitted.
 - :class:`DocumentSource` (the jobs' continuous batch): the row's own prefill and compression, alone;
   its footprint is estimated before the prefill from the budget rule;
 - :class:`PrebuiltSource` (the batch path: documents prefilled together, a sweep's settings built from
-  one prefill): one-row caches split off caches that already exist; their footprint is exact.
+  one prefill): one-row caches split off caches that already exist; they all join at once.
 """
 
 from __future__ import annotations
@@ -127,9 +127,6 @@ class PrebuiltSource:
             one = VarLenCache.from_layers(layers, cache.compressor, cache.kernels)
             opened.append(Opened(one, int(ctx_len[b]), logits[b], costs[b]))
         return opened
-
-    def estimate(self, index: int, row: Row) -> int:
-        return int(self.opened[index].cache.bytes_per_row()[0])
 
     def open(self, index: int, row: Row) -> Opened:
         opened, self.opened[index] = self.opened[index], None

@@ -35,7 +35,7 @@ class DecodeCap:
         layer: VarLenLayer,
         probs: torch.Tensor,
         new_values: torch.Tensor | None,
-        real_queries: torch.Tensor | None = None,
+        real_queries: torch.Tensor,
     ) -> None:
         """Accumulate the chunk's attention, give the new entries their norms, evict above the cap.
 
@@ -43,12 +43,11 @@ class DecodeCap:
         ``layer`` (see :func:`pipeline.kv.attention.varlen_attention`); new_values: (B, H_kv, T, D)
         values appended by this chunk (None when nothing was appended); real_queries: (B, T) bool,
         False on a left-padded chunk's padding, whose attention (it attends to keep its softmax finite)
-        is not the row's and is not accumulated (default: every query is real).
+        is not the row's and is not accumulated.
         """
         bsz, h_kv, groups, t, length = probs.shape
         index, live = layer.padded_index()
-        if real_queries is not None:
-            probs = probs * real_queries.to(probs.dtype)[:, None, None, :, None]
+        probs = probs * real_queries.to(probs.dtype)[:, None, None, :, None]
         acc = probs.mean(2).sum(2).reshape(-1, length)  # (S, L): mean over the group, summed over queries
         layer.acc_attention.index_add_(0, index[live], acc[live])
         if new_values is not None:

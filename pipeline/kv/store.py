@@ -28,6 +28,8 @@ view read directly, with no per-step index arithmetic or host syncs.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 BLOCK = 32  # slots per block of a grown layer (segment capacities are multiples of it)
@@ -116,22 +118,24 @@ class VarLenLayer:
 
     @classmethod
     def concat(cls, layers: list[VarLenLayer]) -> VarLenLayer:
-        """The rows of several layers (same KV heads and dtype) side by side in one layer: rows of
-        ``layers[0]`` first. One copy of every buffer, the decode-time cap's per-entry statistics
-        included (all layers carry them or none does)."""
+        """The rows of several layers (same KV heads and dtype, all with the decode-time cap's statistics
+        or none) side by side in one layer, rows of ``layers[0]`` first: one copy of every buffer."""
         carried = [name for name in CAP_STATISTICS if getattr(layers[0], name) is not None]
         if any([n for n in CAP_STATISTICS if getattr(layer, n) is not None] != carried for layer in layers):
             raise ValueError("layers to concatenate differ in decode-cap statistics")
         heads = {layer.num_heads for layer in layers}
         if len(heads) != 1:
             raise ValueError(f"layers to concatenate have different KV head counts: {sorted(heads)}")
-        offsets = torch.cumsum(torch.tensor([0] + [layer.keys.shape[0] for layer in layers[:-1]]), 0).tolist()
-        cat = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("keys", "values", "positions")}
-        tables = [torch.cat([getattr(layer, name) for layer in layers]) for name in ("length", "capacity")]
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(layer, name) for layer in layers])
+
+        offsets = itertools.accumulate([layer.keys.shape[0] for layer in layers[:-1]], initial=0)
         start = torch.cat([layer.start + offset for layer, offset in zip(layers, offsets)])
-        joined = cls(*cat.values(), start, *tables, sum(layer.num_rows for layer in layers), heads.pop())
+        entries, tables = [cat("keys"), cat("values"), cat("positions")], [cat("length"), cat("capacity")]
+        joined = cls(*entries, start, *tables, sum(layer.num_rows for layer in layers), heads.pop())
         for name in carried:
-            setattr(joined, name, torch.cat([getattr(layer, name) for layer in layers]))
+            setattr(joined, name, cat(name))
         return joined
 
     # ------------------------------------------------------------------ properties

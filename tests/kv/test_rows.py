@@ -67,19 +67,6 @@ def _cache(layers):
     return cache
 
 
-def test_regroup_keeps_rows_then_appends_the_joining_caches():
-    cache = _cache([random_layer(4, 1), random_layer(4, 2)])
-    other = _cache([random_layer(2, 3), random_layer(2, 4)])
-    before = [segments(layer) for layer in cache.store]
-    joining = [segments(layer) for layer in other.store]
-    regroup(cache, [2, 1], [other])
-    for idx in range(2):
-        keep = [before[idx][r * HEADS + h] for r in (2, 1) for h in range(HEADS)]
-        assert segments(cache.store[idx]) == keep + joining[idx]
-        assert cache.store[idx].num_rows == 4
-        assert other.store[idx] is None  # released as it was copied
-
-
 def _with_statistics(layer: VarLenLayer, seed: int) -> VarLenLayer:
     """``layer`` with random decode-cap statistics on every slot (indexed like its keys)."""
     g = torch.Generator().manual_seed(seed)
@@ -98,19 +85,31 @@ def entry_statistics(layer: VarLenLayer) -> list[list[tuple[float, float]]]:
     return out
 
 
-def test_the_decode_caps_statistics_move_and_join_with_their_entries():
-    """Rows of a capped cache leave and join the decode loop with their per-entry statistics."""
-    cache = _cache([_with_statistics(random_layer(4, 8), 1), _with_statistics(random_layer(4, 9), 2)])
-    other = _cache([_with_statistics(random_layer(2, 10), 3), _with_statistics(random_layer(2, 11), 4)])
-    before = [entry_statistics(layer) for layer in cache.store]
-    joining = [entry_statistics(layer) for layer in other.store]
-    regroup(cache, [3, 0], [other])
+@pytest.mark.parametrize("capped", [False, True])
+def test_regroup_keeps_rows_then_appends_the_joining_caches(capped):
+    """Kept rows, then the joining caches' rows; under a decode-time cap each entry's statistics move
+    and join with it."""
+    stats = _with_statistics if capped else (lambda layer, seed: layer)
+    read = entry_statistics if capped else segments
+    cache = _cache([stats(random_layer(4, 1), 1), stats(random_layer(4, 2), 2)])
+    other = _cache([stats(random_layer(2, 3), 3), stats(random_layer(2, 4), 4)])
+    before = [read(layer) for layer in cache.store]
+    joining = [read(layer) for layer in other.store]
+    regroup(cache, [2, 1], [other])
     for idx in range(2):
-        keep = [before[idx][r * HEADS + h] for r in (3, 0) for h in range(HEADS)]
-        assert entry_statistics(cache.store[idx]) == keep + joining[idx]
-        assert cache.store[idx].acc_attention.shape == cache.store[idx].keys.shape[:1]
-    prefix = torch.tensor([min(1, len(before[0][h])) for h in range(HEADS)])
-    taken = take_rows(cache.store[0], [1], prefix)
-    assert entry_statistics(taken) == [before[0][h][: int(prefix[h])] for h in range(HEADS)]
+        keep = [before[idx][r * HEADS + h] for r in (2, 1) for h in range(HEADS)]
+        assert read(cache.store[idx]) == keep + joining[idx]
+        assert cache.store[idx].num_rows == 4
+        assert other.store[idx] is None  # released as it was copied
+        if capped:
+            assert cache.store[idx].acc_attention.shape == cache.store[idx].keys.shape[:1]
+
+
+def test_the_decode_caps_statistics_move_with_a_prefix_and_must_match_to_join():
+    layer = _with_statistics(random_layer(4, 8), 1)
+    before = entry_statistics(layer)
+    prefix = torch.tensor([min(1, len(before[1 * HEADS + h])) for h in range(HEADS)])
+    taken = take_rows(layer, [1], prefix)
+    assert entry_statistics(taken) == [before[1 * HEADS + h][: int(prefix[h])] for h in range(HEADS)]
     with pytest.raises(ValueError, match="differ in decode-cap statistics"):
-        VarLenLayer.concat([cache.store[0], random_layer(1, 12)])
+        VarLenLayer.concat([layer, random_layer(1, 12)])
