@@ -120,10 +120,18 @@ class PrebuiltSource:
     @classmethod
     def split(cls, cache: VarLenCache, ctx_len: torch.Tensor, logits: torch.Tensor, costs: list[Cost]) -> list[Opened]:
         """One-row caches of every row of ``cache`` (B rows), each with its context length, last
-        logits (``logits``: (B, V)) and cost."""
+        logits (``logits``: (B, V)) and cost. ``cache`` is consumed: each layer is released once its
+        rows are copied (a single row's layers are taken over, not copied), so the split holds at most
+        one layer twice."""
+        rows = cache.store[0].num_rows
+        per_row: list[list] = [[] for _ in range(rows)]
+        for idx, layer in enumerate(cache.store):
+            cache.store[idx] = None
+            for b in range(rows):
+                per_row[b].append(layer if rows == 1 else take_rows(layer, [b]))
+            del layer
         opened = []
-        for b in range(cache.store[0].num_rows):
-            layers = [take_rows(layer, [b]) for layer in cache.store]
+        for b, layers in enumerate(per_row):
             one = VarLenCache.from_layers(layers, cache.compressor, cache.kernels)
             opened.append(Opened(one, int(ctx_len[b]), logits[b], costs[b]))
         return opened

@@ -298,6 +298,13 @@ def test_sweep_decode_groups_and_one_row_caches():
             for head in range(alone.store[0].num_heads):
                 assert torch.equal(opened.cache.kept_positions(layer, 0, head), alone.kept_positions(layer, 0, head))
         assert opened.cache.context_entries.tolist() == alone.context_entries.tolist()
+    assert all(layer is None for layer in together.store)  # consumed as split: never held twice
+
+    single = engine.new_cache(engine.compressor)
+    ctx_len, logits = engine.prefill(rows[:1], single)
+    layers = list(single.store)
+    (opened,) = PrebuiltSource.split(single, ctx_len, logits, costs[:1])
+    assert all(a is b for a, b in zip(opened.cache.store, layers))  # one row: taken over, not copied
 
 
 @pytest.mark.parametrize("method", ["kvzap", "criticalkv-shares-kvzap", "layer-knorm", "adakv-snapkv"])
