@@ -3,6 +3,7 @@ plain prefill, peak memory above the process' level before the prefill, and kept
 
     python -m benchmarks.method_costs [--lengths 2048,4096] [--repeats 3] [--cache-size 0.2]
                                       [--methods none,snapkv,kvzap[prefill_chunk=1024],...]
+                                      [--feed-forward-chunks 512,0]
                                       [--out benchmarks/results/method_costs.md]
 
 ``--repeats`` takes one count or one per length (``3,3,1``); a method may carry knob overrides as in
@@ -13,7 +14,9 @@ the sweeps (``NAME[knob=value,...]``, e.g. a chunked prefill). The peak column r
 SmolLM2 fp32 on CPU, the Engine's own path (``Engine.compress_context``: prefill, KVzip's
 reconstruction passes where the method needs them, compression into the variable-length cache).
 Methods are timed interleaved (round r runs them in order, round r+1 in reverse) and every figure
-is a median over ``--repeats``; only ratios measured in the same run are claims. Peak memory
+is a median over ``--repeats``; only ratios measured in the same run are claims. With several
+``--feed-forward-chunks`` every method runs at each MLP slicing (``METHOD@TOKENS``; 0: the whole
+sequence), interleaved with the rest; ratios are over the first slicing's ``none``. Peak memory
 (``/proc/self/status`` VmHWM after a reset) is the process' growth during the prefill, model weights
 excluded: per-layer methods hold one layer's dense K/V at a time, deferred methods (cross-layer
 allocation, KVzip) the whole dense cache until they select.
@@ -37,6 +40,7 @@ from benchmarks.common import context_ids
 from benchmarks.roofline import PeakRSS, header, median, parse_ints, table
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
+from pipeline.engine.feed_forward import chunk_feed_forward
 from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
 from pipeline.eval.sweep import parse_variant
@@ -112,9 +116,18 @@ def main() -> None:
     p.add_argument("--repeats", default="3", help="one count, or one per length")
     p.add_argument("--cache-size", type=float, default=0.2)
     p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument(
+        "--feed-forward-chunks",
+        type=parse_ints,
+        default=[ModelConfig.model_fields["feed_forward_chunk"].default],
+        help="MLP slices (tokens; 0: whole) to run every method at (default: the engine's, %(default)s)",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "method_costs.md"))
     args = p.parse_args()
     methods = [m.strip() for m in split_top_level(args.methods) if m.strip()]
+    slicings = args.feed_forward_chunks
+    if len(slicings) > 1:
+        methods = [f"{m}@{ff}" for ff in slicings for m in methods]
     lengths = parse_ints(args.lengths)
     repeats = parse_ints(args.repeats)
     repeats = repeats * len(lengths) if len(repeats) == 1 else repeats
@@ -123,18 +136,22 @@ def main() -> None:
     loaded = load_model(ModelConfig(name="smollm2"))
     engines: dict[str, Engine] = {}
 
-    def engine_for(method: str) -> Engine:
-        if method not in engines:
+    def engine_for(label: str) -> Engine:
+        method, _, sliced = label.partition("@")
+        chunk_feed_forward(loaded.model, int(sliced or slicings[0]))  # the shared model, as this label runs
+        if label not in engines:
             name, overrides = parse_variant(method)
             size = 1.0 if name == "none" else args.cache_size
             config = CompressionConfig.model_validate({"method": name, "cache_size": size, **overrides})
-            engines[method] = Engine(loaded, config, GenerationConfig(max_new_tokens=1))
-        return engines[method]
+            engines[label] = Engine(loaded, config, GenerationConfig(max_new_tokens=1))
+        return engines[label]
 
     lines = [header(f"Prefill cost per method (SmolLM2 fp32, cache size {args.cache_size:g})")]
+    lines.append(f"- MLP slices (tokens, 0: whole): {', '.join(map(str, slicings))}")
     for n, reps in zip(lengths, repeats):
         res = measure(engine_for, loaded.tokenizer, methods, n, reps)
-        base = median(res["none"]["seconds"]) if "none" in res else None
+        plain = next((m for m in methods if m.partition("@")[0] == "none"), None)
+        base = median(res[plain]["seconds"]) if plain else None
         plain_flops = forward_flops(loaded.model, res[methods[0]]["forwards"][:1])
         rows = []
         for method in methods:
