@@ -5,7 +5,7 @@ same values (bitwise on CPU in float32: ``tests/engine/test_feed_forward.py``) w
 activations shrink from the whole sequence's to one slice's. For a gated MLP (Llama, Qwen, Mistral,
 Gemma: ``down(act(gate(x)) * up(x))``) three (B, T, intermediate) tensors are alive at once: 72 MiB
 for SmolLM2 at 4,096 tokens (intermediate 1,536, float32), the largest transient of a prefill and of
-the same order as the whole compressed cache at 0.4 (``docs/BENCHMARKS.md``, "Prefill peak memory").
+the same order as the whole compressed cache at 0.4 (``docs/BENCHMARKS.md``, "MLP slices in long forwards").
 vLLM and SGLang bound the same activations with chunked prefill; this does it inside one forward, so
 a prefill that is not chunked (every scorer, KVzip's passes) profits too.
 
@@ -30,7 +30,7 @@ class SequenceChunkedMLP(torch.nn.Module):
         self.tokens = tokens
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        length = hidden_states.shape[-2] if hidden_states.dim() >= 2 else 0
+        length = hidden_states.shape[-2]
         if length <= self.tokens:
             return self.inner(hidden_states)
         out = None
