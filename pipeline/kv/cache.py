@@ -217,7 +217,8 @@ class VarLenCache(ChunkCache):
             if self.chunked is not None:  # exactly this chunk's slots, for this layer only (no slack)
                 layer.reserve(key_states.shape[2])
             layer.append(key_states, value_states, self.chunk_pos, has_padding=self.chunk_padding)
-            self._appended[layer_idx] = value_states
+            if self.cap is not None:  # the cap gives the new entries their norms after the attention
+                self._appended[layer_idx] = value_states
         return key_states, value_states
 
     def reserve(self, extra: int) -> None:

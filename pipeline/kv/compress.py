@@ -107,10 +107,15 @@ class Compressor:
         return self.scorer.observed_queries(self.config.window, self.scorer_options)
 
     def projection(self, layer_idx: int, module: torch.nn.Module, num_kv_heads: int, head_dim: int) -> OutputProjection:
-        """W_O slices of a layer in float32 (cached: weights do not change during inference)."""
+        """W_O slices of a layer in float32. Only the latest layer's are cached (a float32 copy of every
+        layer's ``o_proj`` would be 38 MiB on SmolLM2, GiBs on 8B models, held for the engine's life;
+        layers are selected one after the other), except under the decode-time cap, which reads every
+        layer's at every decode step."""
         proj = self._projections.get(layer_idx)
         if proj is None:
             proj = OutputProjection.from_weight(module.o_proj.weight, num_kv_heads, head_dim)
+            if not self.needs_value_norms:
+                self._projections.clear()
             self._projections[layer_idx] = proj
         return proj
 

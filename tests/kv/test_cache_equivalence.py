@@ -239,3 +239,5 @@ def test_decode_cap_bounds_cache_and_keeps_window(tmp_path):
         for h in range(layer.num_heads):
             held = set(layer.segment_positions(0, h).tolist())
             assert set(range(last - compressor.config.window + 1, last + 1)) <= held
+    # the cap gives every decode step's entries their norms: every layer's W_O copy stays
+    assert sorted(compressor._projections) == list(range(model.config.num_hidden_layers))
