@@ -198,6 +198,9 @@ class ChunkedCompression:
         scores, budgets, row_window = compressor.union_budgets(positions, unions, seen, self.lengths, layers)
         for j, idx in enumerate(layers):
             keys, values = self._keys_values(idx)
+            # the layer is rebuilt from these below: where they are a gathered copy (uneven per-head
+            # counts), the old store would otherwise sit beside them until the new one exists
+            self.cache.store[idx] = None
             module = self.modules[idx]
             keep, norms = compressor.union_select(
                 idx, module, scores[j], budgets[j], keys, values, seen, row_window, known[j]

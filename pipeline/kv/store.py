@@ -182,12 +182,12 @@ class VarLenLayer:
             new_start[1:] = torch.cumsum(new_capacity, 0)[:-1]
         total = int(new_capacity.sum())
         src, dst = self.live_index(), self.live_index(new_start)
-        dim = self.keys.shape[-1]
-        keys = self.keys.new_zeros(total, dim)
-        values = self.values.new_zeros(total, dim)
+        for name in ("keys", "values"):  # one at a time: the old keys go before the new values exist
+            old = getattr(self, name)
+            new = old.new_zeros(total, old.shape[-1])
+            new[dst] = old[src]
+            setattr(self, name, new)
         positions = torch.full((total,), -1, dtype=torch.int32, device=self.positions.device)
-        keys[dst] = self.keys[src]
-        values[dst] = self.values[src]
         positions[dst] = self.positions[src]
         for name in CAP_STATISTICS:
             old = getattr(self, name)
@@ -195,7 +195,7 @@ class VarLenLayer:
                 new = old.new_zeros(total)
                 new[dst] = old[src]
                 setattr(self, name, new)
-        self.keys, self.values, self.positions = keys, values, positions
+        self.positions = positions
         self.start, self.capacity = new_start, new_capacity.clone()
         self._refresh_layout()
 

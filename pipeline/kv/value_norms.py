@@ -93,10 +93,16 @@ def l2_norms(value: torch.Tensor, proj: OutputProjection) -> torch.Tensor:
 
 
 def l1_upper_bounds(value: torch.Tensor, proj: OutputProjection) -> torch.Tensor:
-    """Upper bound of the L1 projected norm (module docstring). (B, H_kv, n, D) -> (B, H_kv, n)."""
-    v = value.float()
-    quad = (torch.matmul(v, proj.mean_gram[None]) * v).sum(-1).clamp(min=0)
-    return quad.sqrt() * (math.sqrt(proj.hidden) * (1.0 + 1e-4)) + 1e-6
+    """Upper bound of the L1 projected norm (module docstring). (B, H_kv, n, D) -> (B, H_kv, n).
+
+    Computed ``_CHUNK`` entries at a time: the (B, H_kv, chunk, D) float32 temporaries stay small
+    where the whole n would double a layer's values (this runs while a layer's candidates exist)."""
+    n = value.shape[2]
+    quad = torch.empty(value.shape[:3], dtype=torch.float32, device=value.device)
+    for start in range(0, n, _CHUNK):
+        v = value[:, :, start : start + _CHUNK].float()
+        quad[:, :, start : start + _CHUNK] = (torch.matmul(v, proj.mean_gram[None]) * v).sum(-1)
+    return quad.clamp_(min=0).sqrt_() * (math.sqrt(proj.hidden) * (1.0 + 1e-4)) + 1e-6
 
 
 def norms_for_mask(value: torch.Tensor, proj: OutputProjection, mask: torch.Tensor, out: torch.Tensor) -> int:

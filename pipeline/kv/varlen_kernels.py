@@ -75,6 +75,9 @@ FLAT_MAX_MASKED = 12288
 # queries per call of a prefill chunk over its segment: each block reads the chunk's keys only up to its
 # own last query, which skips most of the chunk's causal upper half (benchmarks/method_costs.py)
 CHUNK_QUERY_BLOCK = 256
+# float32 logits (query heads x queries x slots) per blocked call: 4 MiB; a question of T tokens over a long
+# cache runs in query slices instead of materialising T x slots logits, probabilities and masks at once
+BLOCKED_LOGITS_PER_CALL = 1 << 20
 
 
 @functools.lru_cache(maxsize=1)
@@ -166,10 +169,13 @@ def flat_decode_attention(query: torch.Tensor, layer, scaling: float) -> torch.T
     return torch.mm(probs.to(layer.values.dtype), layer.values).view(1, h_q, 1, dim).to(query.dtype)
 
 
-def blocked_attention(query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float) -> torch.Tensor | None:
+def blocked_attention(
+    query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float, max_logits: int = BLOCKED_LOGITS_PER_CALL
+) -> torch.Tensor | None:
     """Attention of T new tokens per row over a block-aligned ``layer`` (the chunk's own entries
     already appended), read in place: key j is visible to query q iff ``0 <= pos_j <= pos_q`` and
-    j is a live slot of q's segment.
+    j is a live slot of q's segment. The queries go in slices of at most ``max_logits`` float32
+    logits each (every query is attended alone: slicing changes nothing but the temporaries).
 
     query: (B, H_q, T, D); query_pos: (B, T). Returns (B, H_q, T, D), or None when the layout is
     not block aligned.
@@ -177,13 +183,29 @@ def blocked_attention(query: torch.Tensor, layer, query_pos: torch.Tensor, scali
     table = layer.block_table()
     if table is None:
         return None
+    t = query.shape[2]
+    per_query = table[1].numel() * (query.shape[1] // layer.num_heads)  # slots x query heads per KV head
+    step = max(1, max_logits // max(per_query, 1))
+    if t <= step:
+        return _blocked_slice(query, layer, table, query_pos, scaling, causal=t > 1)
+    pieces = [
+        _blocked_slice(query[:, :, s : s + step], layer, table, query_pos[:, s : s + step], scaling, causal=True)
+        for s in range(0, t, step)
+    ]
+    return torch.cat(pieces, dim=2)
+
+
+def _blocked_slice(query: torch.Tensor, layer, table, query_pos: torch.Tensor, scaling: float, causal: bool):
+    """:func:`blocked_attention` of one slice of queries; ``table``: the layer's block table;
+    ``causal``: the slice is part of a chunk whose later tokens are appended (else one decode token,
+    which every held entry precedes)."""
     segment, slot = table
     bsz, h_q, t, dim = query.shape
     segments, groups = layer.num_segments, h_q // layer.num_heads
     blocks, width = slot.shape
     key_pos = layer.positions.view(blocks, width)
     live = (slot < layer.length[segment][:, None]) & (key_pos >= 0)  # (N, W)
-    if t > 1:  # causal inside the chunk: (N, T, W)
+    if causal:  # causal inside the chunk: (N, T, W)
         qpos = query_pos[:, None, :].expand(bsz, layer.num_heads, t).reshape(segments, t).index_select(0, segment)
         live = live[:, None, :] & (key_pos[:, None, :] <= qpos[:, :, None])
     else:  # one token: every held entry precedes it

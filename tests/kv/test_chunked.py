@@ -157,6 +157,21 @@ def test_final_budget_keeps_everything_until_a_head_is_full(method, chunk_budget
     assert any(early) == (chunk_budget == "running")
 
 
+def test_between_chunks_only_the_store_and_one_layers_projection_are_held():
+    """Nothing of an earlier chunk stays referenced beside the store: no chunk's values (recorded for
+    the decode-time cap only, which a chunked prefill refuses) and the float32 W_O copy of one layer
+    at most (a copy of every layer's would be held for the engine's life)."""
+    model = tiny_model("llama", seed=3)
+    compressor = _compressor(model, "criticalkv-shares-kvzap", 0.3, chunk=8)
+    held = []
+
+    def record(cache, seen):
+        held.append((len(cache._appended), len(compressor._projections)))
+
+    run_chunked(model, compressor, _rows(3), 8, record)
+    assert held and all(values == 0 and projections == 1 for values, projections in held)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
 def test_final_budget_keeps_the_one_pass_first_layer(arch):
     """Layer 0's inputs are the token embeddings, so its kvzap scores depend on each token alone: with

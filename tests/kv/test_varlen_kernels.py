@@ -161,12 +161,14 @@ def test_blocked_decode_equals_the_reference_in_place(groups):
     assert layer.keys.data_ptr() == keys_before
 
 
+@pytest.mark.parametrize("max_logits", [1 << 20, 1])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_blocked_chunk_equals_the_reference(groups):
-    """A left-padded chunk of several tokens (causal among themselves) over ragged segments."""
+def test_blocked_chunk_equals_the_reference(groups, max_logits):
+    """A left-padded chunk of several tokens (causal among themselves) over ragged segments; with
+    ``max_logits`` 1 every query goes alone."""
     layer, query, query_pos, real = _layer_and_chunk(groups=groups, append=True, pad=(0, 2))
     assert layer.block_table() is not None  # the append grew the layer into blocks
-    got = blocked_attention(query, layer, query_pos, 0.3)
+    got = blocked_attention(query, layer, query_pos, 0.3, max_logits=max_logits)
     expected = _reference(layer, query, query_pos, 0.3)
     mask = real[:, None, :, None].expand_as(expected)
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
