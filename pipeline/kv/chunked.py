@@ -174,11 +174,14 @@ class ChunkedCompression:
         return positions, scores, held_then_chunk(held_norms, held_count, unknown, positions.shape[1], "nan")
 
     def _keys_values(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's candidates' keys and values (S, L, D), aligned with :meth:`_candidates`."""
+        """The layer's candidates' keys and values (S, L, D), aligned with :meth:`_candidates`, taken
+        out of the cache: the layer is rebuilt from them, and where they are a gathered copy (uneven
+        per-head counts) the old store would otherwise sit beside them until the new one exists."""
         if idx in self.first_chunk:
             key, value, _ = self.first_chunk.pop(idx)
             return key.reshape(-1, key.shape[2], key.shape[3]), value.reshape(-1, value.shape[2], value.shape[3])
-        keys, values, _ = self.cache.store[idx].padded_view()
+        layer, self.cache.store[idx] = self.cache.store[idx], None
+        keys, values, _ = layer.padded_view()
         return keys, values
 
     def compress(self, seen: torch.Tensor) -> None:
@@ -198,9 +201,6 @@ class ChunkedCompression:
         scores, budgets, row_window = compressor.union_budgets(positions, unions, seen, self.lengths, layers)
         for j, idx in enumerate(layers):
             keys, values = self._keys_values(idx)
-            # the layer is rebuilt from these below: where they are a gathered copy (uneven per-head
-            # counts), the old store would otherwise sit beside them until the new one exists
-            self.cache.store[idx] = None
             module = self.modules[idx]
             keep, norms = compressor.union_select(
                 idx, module, scores[j], budgets[j], keys, values, seen, row_window, known[j]

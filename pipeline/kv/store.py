@@ -182,20 +182,14 @@ class VarLenLayer:
             new_start[1:] = torch.cumsum(new_capacity, 0)[:-1]
         total = int(new_capacity.sum())
         src, dst = self.live_index(), self.live_index(new_start)
-        for name in ("keys", "values"):  # one at a time: the old keys go before the new values exist
+        # one buffer at a time: each old one goes before the next new one exists (keys before values)
+        for name in ("keys", "values", "positions", *CAP_STATISTICS):
             old = getattr(self, name)
-            new = old.new_zeros(total, old.shape[-1])
+            if old is None:
+                continue
+            new = old.new_full((total, *old.shape[1:]), -1 if name == "positions" else 0)
             new[dst] = old[src]
             setattr(self, name, new)
-        positions = torch.full((total,), -1, dtype=torch.int32, device=self.positions.device)
-        positions[dst] = self.positions[src]
-        for name in CAP_STATISTICS:
-            old = getattr(self, name)
-            if old is not None:
-                new = old.new_zeros(total)
-                new[dst] = old[src]
-                setattr(self, name, new)
-        self.positions = positions
         self.start, self.capacity = new_start, new_capacity.clone()
         self._refresh_layout()
 
