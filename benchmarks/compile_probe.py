@@ -31,6 +31,7 @@ from transformers import StaticCache
 from benchmarks.roofline import RESULTS_DIR, header, table, write_report
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.loading import load_model
+from pipeline.kv.attention import cache_keyword
 
 HERE = Path(__file__).resolve().parent
 
@@ -60,11 +61,11 @@ def load(name: str, dtype: str, weight_layout: str):
     if name == "smollm2":
         loaded = load_model(ModelConfig(name="smollm2", dtype=dtype, weight_layout=weight_layout))
         return loaded.model, loaded.device
-    from benchmarks import gpu_check
+    from benchmarks import gpu_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = gpu_check.LLAMA_31_8B if name == "random-llama-8b" else gpu_check.SMOKE
-    return gpu_check.build_model(shape, device, getattr(torch, dtype)), device
+    shape = gpu_model.LLAMA_31_8B if name == "random-llama-8b" else gpu_model.SMOKE
+    return gpu_model.build_model(shape, device, getattr(torch, dtype)), device
 
 
 def measure(model, device, n: int, steps: int, mode: str, backend: str = "inductor") -> dict:
@@ -74,10 +75,11 @@ def measure(model, device, n: int, steps: int, mode: str, backend: str = "induct
     vocab = model.config.vocab_size
     ids = torch.randint(min(100, vocab - 1), vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.inference_mode():
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        cache_arg = {cache_keyword(model): cache}
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_arg)
 
         def step(token, pos):
-            return model(input_ids=token, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
+            return model(input_ids=token, position_ids=pos, use_cache=True, logits_to_keep=1, **cache_arg).logits
 
         compiled = torch.compile(step, mode=None if backend != "inductor" else mode, backend=backend)
         t0 = time.perf_counter()

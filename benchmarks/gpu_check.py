@@ -10,7 +10,9 @@ read) and methods interleaved within each repeat (medians):
 
 - prefill time (context prefill + compression) of ``none`` / ``snapkv`` / ``criticalkv-snapkv`` /
   ``criticalkv-adakv-snapkv`` (ragged per-head budgets: its decode reads the variable-length store
-  through the varlen kernel, the uniform ones through a zero-copy dense view),
+  through the varlen kernel, the uniform ones through a zero-copy dense view) / the jobs' default
+  ``criticalkv-layer-kvzip`` and ``kvzip`` (both with KVzip's reconstruction passes,
+  :func:`benchmarks.gpu_batch.finish_passes`; ragged),
   driven exactly like ``benchmarks/common.py`` drives it: ``VarLenCache`` + ``Compressor`` + the
   attention function from ``pipeline.kv.attention.register``; one ``Compressor`` per method reused
   across repeats, as an engine does;
@@ -21,7 +23,11 @@ read) and methods interleaved within each repeat (medians):
   ``CRITICALKV_VARLEN_KERNEL``);
 - kept KV bytes (``VarLenCache.nbytes()``, entries plus positions and segment tables) against the
   bytes of a full bf16 cache, and peak memory (``torch.cuda.max_memory_allocated``) during prefill
-  and during decode, weights included.
+  and during decode, weights included;
+- decode throughput at a fixed KV memory budget (``--kv-budget-gib``, default 40): the largest batch
+  of one length's full / 20 % uniform (``snapkv``) / 20 % ragged (the default, with the kernel
+  chosen per call and with ``blocked`` forced) caches that fits it, tokens/s
+  (:func:`benchmarks.gpu_batch.measure_throughput`).
 
 The model: ``LlamaConfig`` hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
 vocab 128256 (Llama-3.1-8B's shapes; default RoPE, which does not change timing), built on the meta
@@ -44,31 +50,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_batch import finish_passes, measure_throughput
 from benchmarks.gpu_check_report import markdown
-from pipeline.kv.attention import register
+from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
+from pipeline.kv.varlen_kernels import KernelChoice
 
-LLAMA_31_8B = dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-)
-SMOKE = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=256,
-    vocab_size=1024,
-    max_position_embeddings=4096,
-)
-METHODS = ("none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv")
+METHODS = ("none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv", "criticalkv-layer-kvzip", "kvzip")
+THROUGHPUT = (("none", None), ("snapkv", None), ("criticalkv-layer-kvzip", None), ("criticalkv-layer-kvzip", "blocked"))
 
 
 # ------------------------------------------------------------------ timing and memory
@@ -95,50 +86,6 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# ------------------------------------------------------------------ model
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-@torch.no_grad()
-def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """Llama of the given shape: meta device -> ``to_empty`` -> in-place normal init on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    with torch.device("meta"), default_dtype(dtype):
-        model = LlamaForCausalLM(config)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for param in model.parameters():
-        if param.dim() >= 2:
-            param.normal_(0.0, 0.02, generator=gen)
-        else:  # RMSNorm weights
-            param.fill_(1.0)
-    # Non-persistent buffers (RoPE inverse frequencies) are garbage after to_empty: rebuild them
-    # from a freshly constructed module of the same class, computed on the CPU in float32.
-    for module in model.modules():
-        buffers = dict(module.named_buffers(recurse=False))
-        if buffers:
-            try:
-                fresh = type(module)(config=config)
-            except TypeError as exc:
-                raise RuntimeError(
-                    f"cannot rebuild the buffers of {type(module).__name__} after to_empty: {exc}"
-                ) from exc
-            for name, value in fresh.named_buffers(recurse=False):
-                module._buffers[name] = value.to(device)
-    model.eval()
-    model.set_attn_implementation(register())
-    return model
-
-
 def compression(method: str, cache_size: float) -> CompressionConfig:
     if method == "none":
         return CompressionConfig(method="none")
@@ -154,6 +101,8 @@ def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, Va
     sync(device)
     t0 = time.perf_counter()
     run_chunk(model, cache, ids, pos, logits_to_keep=1)
+    if cache.awaiting_reconstruction:  # KVzip: the passes, then every layer compressed
+        finish_passes(model, cache, ids)
     sync(device)
     return time.perf_counter() - t0, cache
 
@@ -254,7 +203,7 @@ class Check:
                 if self.over_budget():
                     cells[m]["status"] = "skipped (time budget)"
                     continue
-                self.measure_cell(cells[m], ids, last=r == self.args.repeats - 1)
+                self.measure_cell(cells[m], ids, decode=r == 0)
         for c in cells.values():
             c["prefill_median_s"] = statistics.median(c["prefill_s"]) if c["prefill_s"] else None
             c["compress_median_s"] = statistics.median(c["compress_s"]) if c["compress_s"] else None
@@ -262,8 +211,9 @@ class Check:
         free(self.device)
         return list(cells.values())
 
-    def measure_cell(self, c: dict, ids: torch.Tensor, last: bool) -> None:
-        """One prefill of ``c``'s method (and, on the ``last`` repeat, its decode); failures set its status."""
+    def measure_cell(self, c: dict, ids: torch.Tensor, decode: bool) -> None:
+        """One prefill of ``c``'s method (and its decode when ``decode``: the first repeat, so a run cut short by
+        its time budget still has every decode figure); failures set its status."""
         device, cache = self.device, None
         try:
             free(device)
@@ -274,7 +224,7 @@ class Check:
             c["peak_prefill"] = max(c.get("peak_prefill") or 0, peak_bytes(device) or 0) or None
             c["kept_bytes"] = int(cache.nbytes())
             c["full_bytes"] = full_kv_bytes(self.model.config, ids.shape[1], self.dtype)
-            if last and not self.over_budget():
+            if decode and not self.over_budget():
                 reset_peak(device)
                 args = self.args
                 c["decode_ms"] = decode_ms_per_token(
@@ -289,6 +239,32 @@ class Check:
         finally:
             del cache
             free(device)
+
+    def measure_throughput(self, n: int) -> list[dict]:
+        """Decode tokens/s of each ``THROUGHPUT`` variant at ``n`` tokens in ``--kv-budget-gib`` of KV."""
+        ids, budget, rows = self.random_ids(n), int(self.args.kv_budget_gib * 2**30), []
+        for method, kernel in THROUGHPUT:
+            row = {"tokens": n, "method": method, "forced": kernel or "—", "budget_gib": self.args.kv_budget_gib}
+            if self.over_budget():
+                rows.append({**row, "status": "skipped (time budget)"})
+                continue
+            try:
+                kernels = KernelChoice(varlen=kernel) if kernel else None
+                steps, warm = self.args.decode_steps, self.args.decode_warmup
+                row.update(
+                    measure_throughput(
+                        self.model, prefill, self.compressors[method], ids, budget, steps, warm, kernels=kernels
+                    ),
+                    status="ok",
+                )
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                row["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
+                if not _is_oom(exc) and self.args.raise_errors:
+                    raise
+            finally:
+                free(self.device)
+            rows.append(row)
+        return rows
 
     def info(self) -> dict:
         args, device = self.args, self.device
@@ -322,10 +298,24 @@ def run(args) -> dict:
     check = Check(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     check.warm_up_methods(min(512, min(lengths)))
-    rows = []
-    for n in lengths:
-        rows += check.measure_length(n)
-    return {"info": check.info(), "rows": rows}
+    result = {"rows": [], "throughput": []}
+    for n in lengths:  # written after each step: a run killed at its hard limit keeps what it measured
+        result["rows"] += check.measure_length(n)
+        write(args.out, {**result, "info": check.info()})
+    for n in [int(x) for x in args.batch_lengths.split(",") if x]:
+        result["throughput"] += check.measure_throughput(n)
+        write(args.out, {**result, "info": check.info()})
+    return {**result, "info": check.info()}
+
+
+def write(out: str | None, result: dict) -> str:
+    """The Markdown tables of ``result``, also written with a JSON copy under ``out`` when given."""
+    table = markdown(result)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_check.md").write_text(table + "\n")
+        (Path(out) / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return table
 
 
 def _flash_attn_version() -> str | None:
@@ -345,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--lengths", default=None, help="comma-separated context lengths (default 8192,32768; smoke 256,512)"
     )
-    p.add_argument("--cache-size", type=float, default=0.2, help="kept fraction for snapkv / criticalkv-snapkv")
+    p.add_argument("--cache-size", type=float, default=0.2, help="kept fraction of every compressed method")
+    p.add_argument("--batch-lengths", default=None, help="throughput context lengths (default 8192,32768; smoke 256)")
+    p.add_argument(
+        "--kv-budget-gib", type=float, default=None, help="KV memory of the throughput batch (default 40; smoke 0.002)"
+    )
     p.add_argument("--repeats", type=int, default=None, help="prefill repeats per method (default 3; smoke 1)")
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
     p.add_argument("--decode-warmup", type=int, default=3)
@@ -362,16 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device; the 8B-shaped run needs a GPU (use --smoke on CPU)", file=sys.stderr)
         return 2
     args.lengths = args.lengths or ("256,512" if args.smoke else "8192,32768")
+    args.batch_lengths = (
+        args.batch_lengths if args.batch_lengths is not None else ("256" if args.smoke else "8192,32768")
+    )
+    args.kv_budget_gib = args.kv_budget_gib or (0.002 if args.smoke else 40.0)
     args.repeats = args.repeats or (1 if args.smoke else 3)
     args.decode_steps = args.decode_steps or (4 if args.smoke else 32)
     result = run(args)
-    table = markdown(result)
-    print(table, flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.md").write_text(table + "\n")
-        (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(write(args.out, result), flush=True)
     bad = [r for r in result["rows"] if r["status"].startswith("error")]
     return 1 if bad else 0
 

@@ -7,19 +7,22 @@
 #    is installed from the network; the project runs from this checkout through PYTHONPATH. A module
 #    that is missing is installed only from local wheels ($GPU_CHECK_WHEELS, default ./wheels) with
 #    `pip install --no-index`.
-# 2. The compression test suite (tests/kv) with CRITICALKV_TEST_DEVICE=cuda (cpu with --smoke on a
-#    machine without GPU), capped at $GPU_CHECK_TEST_BUDGET_S seconds.
-# 3. benchmarks/gpu_check.py: random Llama-3.1-8B-shaped model, 8K and 32K tokens, prefill of
-#    none / snapkv / criticalkv-snapkv, decode full vs 20 % cache, kept KV bytes, peak memory; one
-#    Markdown table. Gets what is left of $GPU_CHECK_BUDGET_S minus the compile probe's share.
-# 4. benchmarks/compile_probe.py: the same random 8B shape in bf16, transformers' static-cache decode
+# 2. benchmarks/gpu_check.py: random Llama-3.1-8B-shaped model, 8K and 32K tokens, prefill of
+#    none / snapkv / criticalkv-snapkv / criticalkv-adakv-snapkv / the default criticalkv-layer-kvzip /
+#    kvzip, decode full vs 20 % cache (uniform and ragged), kept KV bytes, peak memory, and decode
+#    tokens/s at the largest batch that fits 40 GiB of KV; Markdown tables. At most
+#    $GPU_CHECK_BENCH_BUDGET_S seconds (default 270; it starts no measurement in the last 45).
+# 3. benchmarks/compile_probe.py: the same random 8B shape in bf16, transformers' static-cache decode
 #    step at 8K tokens, eager vs torch.compile(mode="reduce-overhead") (CUDA graphs); compile time and
-#    ms per step. Budget $GPU_CHECK_COMPILE_BUDGET_S (default 120; 0 skips it). With --smoke: the tiny
+#    ms per step. Budget $GPU_CHECK_COMPILE_BUDGET_S (default 90; 0 skips it). With --smoke: the tiny
 #    shape and the "eager" backend (tracing only), so CPU runs check the plumbing.
+# 4. The compression test suite (tests/kv) with CRITICALKV_TEST_DEVICE=cuda (cpu with --smoke on a
+#    machine without GPU), with pytest-xdist's $GPU_CHECK_TEST_WORKERS (default 4) workers where it
+#    is installed, in what is left of $GPU_CHECK_BUDGET_S (default 470; at least
+#    $GPU_CHECK_TEST_MIN_S, default 60). Last, so that a slow suite cannot cost the tables.
 #
 # Options: --smoke (tiny sizes, CPU is fine), --skip-tests, --out DIR (log, table, JSON, test log),
-# anything else is passed to gpu_check.py. Environment: PYTHON (interpreter), GPU_CHECK_BUDGET_S
-# (whole run, default 450), GPU_CHECK_TEST_BUDGET_S (tests, default 200), GPU_CHECK_COMPILE_BUDGET_S,
+# anything else is passed to gpu_check.py. Environment: PYTHON (interpreter), the budgets above,
 # GPU_CHECK_WHEELS. Exit status: 0 when the tests passed (or were skipped on request) and the
 # benchmark and the compile probe ran.
 set -uo pipefail
@@ -43,9 +46,10 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-TOTAL_BUDGET="${GPU_CHECK_BUDGET_S:-450}"
-TEST_BUDGET="${GPU_CHECK_TEST_BUDGET_S:-200}"
-COMPILE_BUDGET="${GPU_CHECK_COMPILE_BUDGET_S:-120}"
+TOTAL_BUDGET="${GPU_CHECK_BUDGET_S:-470}"
+BENCH_LIMIT="${GPU_CHECK_BENCH_BUDGET_S:-270}"
+COMPILE_BUDGET="${GPU_CHECK_COMPILE_BUDGET_S:-90}"
+TEST_MIN="${GPU_CHECK_TEST_MIN_S:-60}"
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/wheels}"
 START=$SECONDS
 
@@ -120,31 +124,8 @@ if [ "$DEVICE" != "cuda" ] && [ "$SMOKE" != "1" ]; then
     echo "gpu_check: no CUDA device visible; run with --smoke for a CPU check"; exit 2
 fi
 
-# ---- 2. compression tests on the device ------------------------------------------------------
-TEST_RC=0
-TEST_SUMMARY="skipped (--skip-tests)"
-if [ "$SKIP_TESTS" = "1" ]; then
-    :
-elif [[ " $MISSING " == *" pytest "* ]]; then
-    TEST_SUMMARY="skipped (pytest not installed and no local wheel)"
-    TEST_RC=1
-else
-    echo "== tests/kv with CRITICALKV_TEST_DEVICE=$DEVICE (at most ${TEST_BUDGET}s)"
-    TEST_LOG="${OUT:-/tmp}/gpu_check_tests.log"
-    CRITICALKV_TEST_DEVICE="$DEVICE" timeout --signal=INT --kill-after=15 "$TEST_BUDGET" \
-        "$PYTHON" -m pytest -q -p no:cacheprovider tests/kv 2>&1 | tee "$TEST_LOG" | tail -n 25
-    TEST_RC=${PIPESTATUS[0]}
-    TEST_SUMMARY="$(grep -E '(passed|failed|error|no tests ran)' "$TEST_LOG" | tail -n 1)"
-    if [ "$TEST_RC" = "124" ] || [ "$TEST_RC" = "130" ]; then
-        TEST_SUMMARY="timed out after ${TEST_BUDGET}s: ${TEST_SUMMARY:-no summary}"
-    fi
-    TEST_SUMMARY="${TEST_SUMMARY:-exit $TEST_RC}"
-fi
-
-# ---- 3. benchmark ----------------------------------------------------------------------------
-ELAPSED=$((SECONDS - START))
-LEFT=$((TOTAL_BUDGET - ELAPSED - COMPILE_BUDGET))
-if [ "$LEFT" -lt 60 ]; then LEFT=60; fi
+# ---- 2. benchmark ----------------------------------------------------------------------------
+LEFT="$BENCH_LIMIT"
 BENCH_BUDGET=$((LEFT - 45))       # stop starting measurements with time left to finish one and print
 echo "== benchmark (budget ${BENCH_BUDGET}s to start measurements, hard limit ${LEFT}s)"
 BENCH_ARGS=(--budget-s "$BENCH_BUDGET")
@@ -152,7 +133,7 @@ if [ -n "$OUT" ]; then BENCH_ARGS+=(--out "$OUT"); fi
 timeout --signal=INT --kill-after=15 "$LEFT" "$PYTHON" -m benchmarks.gpu_check "${BENCH_ARGS[@]}" ${PASS[@]+"${PASS[@]}"}
 BENCH_RC=$?
 
-# ---- 4. compiled vs eager decode ---------------------------------------------------------------
+# ---- 3. compiled vs eager decode ---------------------------------------------------------------
 COMPILE_RC=0
 COMPILE_SUMMARY="skipped (GPU_CHECK_COMPILE_BUDGET_S=0)"
 if [ "$COMPILE_BUDGET" -gt 0 ]; then
@@ -169,6 +150,31 @@ if [ "$COMPILE_BUDGET" -gt 0 ]; then
     if [ "$COMPILE_RC" = "124" ] || [ "$COMPILE_RC" = "130" ]; then
         COMPILE_SUMMARY="timed out after ${COMPILE_BUDGET}s"
     fi
+fi
+
+# ---- 4. compression tests on the device, with the time that is left ------------------------------------------------------
+TEST_RC=0
+TEST_SUMMARY="skipped (--skip-tests)"
+if [ "$SKIP_TESTS" = "1" ]; then
+    :
+elif [[ " $MISSING " == *" pytest "* ]]; then
+    TEST_SUMMARY="skipped (pytest not installed and no local wheel)"
+    TEST_RC=1
+else
+    TEST_BUDGET=$((TOTAL_BUDGET - (SECONDS - START)))
+    if [ "$TEST_BUDGET" -lt "$TEST_MIN" ]; then TEST_BUDGET="$TEST_MIN"; fi
+    XDIST=()
+    if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n "${GPU_CHECK_TEST_WORKERS:-4}"); fi
+    echo "== tests/kv with CRITICALKV_TEST_DEVICE=$DEVICE (at most ${TEST_BUDGET}s) ${XDIST[*]}"
+    TEST_LOG="${OUT:-/tmp}/gpu_check_tests.log"
+    CRITICALKV_TEST_DEVICE="$DEVICE" timeout --signal=INT --kill-after=15 "$TEST_BUDGET" \
+        "$PYTHON" -m pytest -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} tests/kv 2>&1 | tee "$TEST_LOG" | tail -n 25
+    TEST_RC=${PIPESTATUS[0]}
+    TEST_SUMMARY="$(grep -E '(passed|failed|error|no tests ran)' "$TEST_LOG" | tail -n 1)"
+    if [ "$TEST_RC" = "124" ] || [ "$TEST_RC" = "130" ]; then
+        TEST_SUMMARY="timed out after ${TEST_BUDGET}s: ${TEST_SUMMARY:-no summary}"
+    fi
+    TEST_SUMMARY="${TEST_SUMMARY:-exit $TEST_RC}"
 fi
 
 echo

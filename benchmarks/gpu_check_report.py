@@ -52,5 +52,41 @@ def markdown(result: dict) -> str:
             r["status"],
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += throughput_table(result.get("throughput") or [])
     lines += [f"\nwarning: {w}" for w in info.get("warnings") or []]
     return "\n".join(lines)
+
+
+def throughput_table(rows: list[dict]) -> list[str]:
+    """Decode tokens/s at one KV memory budget, each row against the full cache of its length."""
+    if not rows:
+        return []
+    full = {r["tokens"]: r for r in rows if r["method"] == "none" and r["status"] == "ok"}
+    lines = [
+        "",
+        f"Decode throughput in {rows[0]['budget_gib']:g} GiB of KV (the largest batch of copies of one compressed "
+        "document that fits; median step):",
+        "",
+        "| tokens | method | forced kernel | batch | KV GiB held | ms/step | tokens/s | ÷ full | kernel | "
+        "peak GiB | status |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in rows:
+        ref = full.get(r["tokens"], {})
+        tps = r.get("tokens_per_s")
+        ratio = f"{tps / ref['tokens_per_s']:.2f}" if tps and ref.get("tokens_per_s") else "—"
+        cells = [
+            str(r["tokens"]),
+            r["method"],
+            r["forced"],
+            _num(r.get("batch"), "d"),
+            _gib(r.get("kv_bytes")),
+            _num(r.get("step_ms"), ".1f"),
+            _num(tps, ".0f"),
+            ratio,
+            r.get("kernel") or "—",
+            _gib(r.get("peak_decode")),
+            r["status"],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

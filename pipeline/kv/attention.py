@@ -5,7 +5,8 @@ Registration (a public extension point; other implementations are untouched):
 
 * :func:`register` adds ``"criticalkv_varlen"``. A model opts in with
   ``model.set_attn_implementation(register())`` and :func:`pipeline.kv.cache.run_chunk` passes the
-  cache both as ``cache=`` (transformers calls its ``update``) and as ``varlen_cache=``, which
+  cache both as the model's cache argument (:func:`cache_keyword`; transformers calls its ``update``)
+  and as ``varlen_cache=``, which
   transformers forwards to the attention function. Masks are derived from original token positions
   held by the cache (never from a cache-position argument, which transformers 5.x no longer
   passes): key j is visible to query q iff ``0 <= pos_j <= pos_q``.
@@ -17,6 +18,8 @@ Registration (a public extension point; other implementations are untouched):
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -131,6 +134,18 @@ def criticalkv_attention_forward(
         scaling = query.shape[-1] ** -0.5
     out = cache.attend(module, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _forward_cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s forward takes its cache: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (the rename). Asked of the forward's signature because a name the
+    model does not know is swallowed by its ``**kwargs``: it would silently build a cache of its own."""
+    return _forward_cache_keyword(type(model))
 
 
 def register() -> str:

@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from .attention import dense_prefill_attention, grouped_decode_attention, recorded_attention_inputs, varlen_attention
+from .attention import (
+    cache_keyword,
+    dense_prefill_attention,
+    grouped_decode_attention,
+    recorded_attention_inputs,
+    varlen_attention,
+)
 from .chunked import ChunkedCompression
 from .compress import Compressor, LayerSelection, PendingLayer
 from .decode_cap import DecodeCap
@@ -143,9 +149,9 @@ def run_chunk(model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor
             return model(
                 input_ids=input_ids,
                 position_ids=positions.clamp(min=0),
-                cache=cache,
                 varlen_cache=cache,
                 use_cache=True,
+                **{cache_keyword(model): cache},
                 **kwargs,
             )
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,6 +26,8 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
             "--device",
             "cpu",
             "--lengths",
+            "400",
+            "--batch-lengths",
             "400",
             "--repeats",
             "1",
@@ -40,7 +42,17 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
     assert rc == 0
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| 400 |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv"]
+    prefill_rows = [r.split("|")[2].strip() for r in rows if r.count("|") > 13]
+    assert prefill_rows == [
+        "none",
+        "snapkv",
+        "criticalkv-snapkv",
+        "criticalkv-adakv-snapkv",
+        "criticalkv-layer-kvzip",
+        "kvzip",
+    ]
+    batch_rows = [r.split("|")[2].strip() + "/" + r.split("|")[3].strip() for r in rows if r.count("|") <= 13]
+    assert batch_rows == ["none/—", "snapkv/—", "criticalkv-layer-kvzip/—", "criticalkv-layer-kvzip/blocked"]
     assert all(r.rstrip().endswith("| ok |") for r in rows), table
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     by = {r["method"]: r for r in result["rows"]}
@@ -49,6 +61,13 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
     assert all(r["decode_ms"] > 0 and r["prefill_median_s"] > 0 for r in result["rows"])
     assert by["snapkv"]["kernel"] == "dense-grouped"  # CPU: grouped matmuls over the uniform view
     assert by["criticalkv-adakv-snapkv"]["kernel"] == "flat"  # CPU, one small ragged row
+    batch = {(r["method"], r["forced"]): r for r in result["throughput"]}
+    full, uniform = batch[("none", "—")], batch[("snapkv", "—")]
+    for r in result["throughput"]:  # the batch fits the budget, one more row would not
+        assert r["batch"] * r["row_bytes"] <= 0.002 * 2**30 < (r["batch"] + 1) * r["row_bytes"]
+        assert r["kv_bytes"] == r["batch"] * r["row_bytes"] and r["tokens_per_s"] > 0
+    assert uniform["batch"] >= 4 * full["batch"]  # a 20 % cache: about five times the rows
+    assert batch[("criticalkv-layer-kvzip", "blocked")]["kernel"] == "blocked"
     assert (tmp_path / "gpu_check.md").read_text().strip() == table.strip()
 
 
@@ -62,7 +81,7 @@ def test_gpu_check_model_is_llama_31_8b_shaped():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**gpu_check.LLAMA_31_8B, tie_word_embeddings=False))
+        model = LlamaForCausalLM(LlamaConfig(**gpu_model.LLAMA_31_8B, tie_word_embeddings=False))
     assert abs(sum(p.numel() for p in model.parameters()) - 8.03e9) < 0.01e9
 
 

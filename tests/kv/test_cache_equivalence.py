@@ -22,7 +22,7 @@ from transformers import AttentionInterface, DynamicCache
 from pipeline.engine.priors import load_head_priors
 from pipeline.engine.prompts import PromptBuilder
 from pipeline.engine.reconstruction import ContextReconstruction
-from pipeline.kv.attention import register
+from pipeline.kv.attention import cache_keyword, register
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
@@ -127,7 +127,8 @@ def masked_reference(model, ctx_ids, q_ids, dec_ids, keep):
     start = 0
     for chunk in (ctx_ids, q_ids, *[d[None] for d in dec_ids]):
         pos = torch.arange(start, start + chunk.shape[-1], device=DEVICE)[None]
-        outs.append(model(input_ids=chunk.view(1, -1), position_ids=pos, cache=cache, use_cache=True).logits[0])
+        out = model(input_ids=chunk.view(1, -1), position_ids=pos, use_cache=True, **{cache_keyword(model): cache})
+        outs.append(out.logits[0])
         start += chunk.shape[-1]
     return torch.cat(outs[1:])
 

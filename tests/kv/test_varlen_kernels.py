@@ -16,7 +16,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.types import Request
 from pipeline.kv import cache as cache_module
 from pipeline.kv import varlen_kernels
-from pipeline.kv.attention import varlen_attention
+from pipeline.kv.attention import cache_keyword, varlen_attention
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.store import BLOCK, VarLenLayer
 from pipeline.kv.varlen_kernels import (
@@ -380,3 +380,19 @@ def test_grouped_decode_equals_a_per_head_softmax_over_a_strided_store_view(grou
             k, v = keys[b, h // groups], values[b, h // groups]
             weights = torch.softmax((k @ query[b, h, 0]) * 0.3, dim=0)
             torch.testing.assert_close(out[b, h, 0], weights @ v, rtol=1e-5, atol=1e-6)
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    """transformers renamed ``past_key_values`` to ``cache`` in 5.24; a model that does not know the
+    name would swallow it in ``**kwargs`` and build its own cache, so the name is read off the forward."""
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return past_key_values
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return cache
+
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(New()) == "cache"

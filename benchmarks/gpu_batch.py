@@ -1,0 +1,112 @@
+"""The GPU check's two additions to a plain prefill: KVzip's reconstruction passes on a model without a
+tokenizer, and decode throughput at a fixed KV memory budget.
+
+* :func:`finish_passes` runs :class:`pipeline.engine.reconstruction.ContextReconstruction` (the
+  engine's own passes, KVzip, arXiv 2505.23416) with :class:`RandomPrompts` standing in for the
+  tokenizer: the instructions are runs of fixed token ids about as long as the real ones, so a pass
+  costs what it costs in a job (random weights make the scores meaningless, not the time).
+* :func:`measure_throughput`: tokens/s of greedy decode steps at the largest batch whose caches fit
+  ``budget_bytes`` of KV memory (the question of "Throughput from the freed memory": what the freed
+  memory buys). One document is prefilled and compressed; the batch is that cache's rows copied
+  ``B`` times (:meth:`pipeline.kv.store.VarLenLayer.concat`), which costs the decode exactly what
+  ``B`` different documents of the same kept lengths cost. ``B = floor(budget / bytes of one row)``
+  with the row's bytes as the cache counts them (entries, positions, segment tables and the slots
+  reserved for the decoded tokens).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from pipeline.engine.reconstruction import ContextReconstruction
+from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.compress import Compressor
+from pipeline.kv.store import VarLenLayer
+from pipeline.kv.varlen_kernels import KernelChoice
+
+TAIL_TOKENS = 5  # end of the user turn + the assistant header in Llama-3's template
+MAX_BATCH = 1024
+
+
+class RandomPrompts:
+    """The two methods of :class:`pipeline.engine.prompts.PromptBuilder` that the passes use, without a
+    tokenizer: ``1.3`` ids per word of the text (about what a BPE tokenizer gives English), fixed ids."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def text_ids(self, text: str) -> list[int]:
+        count = round(1.3 * len(text.split()))
+        return [(1000 + i) % self.vocab_size for i in range(count)]
+
+    def tail_ids(self) -> list[int]:
+        return [(2000 + i) % self.vocab_size for i in range(TAIL_TOKENS)]
+
+
+def finish_passes(model, cache: VarLenCache, ids: torch.Tensor) -> float:
+    """KVzip's passes over the prefilled context ``ids`` (1, n) and the compression of every pending
+    layer; returns their seconds (also added to ``cache.compress_seconds``)."""
+    cfg = cache.compressor.config
+    t0 = time.perf_counter()
+    passes = ContextReconstruction(model, RandomPrompts(model.config.vocab_size), 0, ids.device)
+    scores = passes.scores([ids[0].tolist()], [0], cache.pending, cfg.reconstruction_chunk, cfg.kvzip_plus)
+    _sync(ids.device)
+    seconds = time.perf_counter() - t0
+    cache.compress_seconds += seconds
+    cache.finish_compression(scores)
+    return seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def batch_of(cache: VarLenCache, rows: int, kernels: KernelChoice | None = None) -> VarLenCache:
+    """A cache of ``rows`` copies of ``cache``'s single row (its reserved slots included)."""
+    layers = [VarLenLayer.concat([layer] * rows) for layer in cache.store]
+    return VarLenCache.from_layers(layers, cache.compressor, kernels or cache.kernels)
+
+
+@torch.inference_mode()
+def measure_throughput(
+    model, prefill, compressor: Compressor, ids: torch.Tensor, budget_bytes: int, steps: int, warmup: int, **kw
+) -> dict:
+    """Decode tokens/s of the largest batch of ``ids``'s compressed cache that fits ``budget_bytes``.
+
+    prefill: ``(model, compressor, ids) -> (seconds, cache)`` (the GPU check's). ``kw`` may name
+    ``kernels`` (a :class:`KernelChoice` for the batch). Returns batch, row bytes, KV bytes held,
+    median ms per step, tokens/s, the attention kernel and the peak memory of the decode."""
+    device, n = ids.device, ids.shape[1]
+    _, one = prefill(model, compressor, ids)
+    one.reserve(steps + warmup + 1)
+    row_bytes = int(one.nbytes())
+    rows = max(1, min(MAX_BATCH, budget_bytes // row_bytes))
+    batch = batch_of(one, rows, kw.get("kernels"))
+    del one
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    token = torch.full((rows, 1), 42, device=device)
+    times = []
+    for i in range(warmup + steps):
+        pos = torch.full((rows, 1), n + i, device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        run_chunk(model, batch, token, pos, logits_to_keep=1)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    return {
+        "batch": rows,
+        "row_bytes": row_bytes,
+        "kv_bytes": int(batch.nbytes()),
+        "step_ms": 1000.0 * step_s,
+        "tokens_per_s": rows / step_s,
+        "kernel": ",".join(sorted(batch.kernels_used)),
+        "peak_decode": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+    }
