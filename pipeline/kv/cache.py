@@ -12,7 +12,8 @@ Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_ch
 2. Later chunks (question tokens, then one token per decode step): ``update`` appends to every
    segment, :meth:`attend` runs attention over the variable-length segments with the kernel
    :func:`~pipeline.kv.varlen_kernels.choose_kernel` picks (on CPU the blocked kernel, and for a
-   single row's decode step the flat one; flash-attn's varlen kernel or SDPA on CUDA; the fp32
+   single row's decode step the flat one; on CUDA flash-attn's varlen kernel, or without it the
+   blocked kernel for decode steps and SDPA for longer chunks; the fp32
    reference when the decode cap needs probabilities). A decode step over a uniform, padding-free cache (uniform
    budgets) skips all of that: it reads a zero-copy (B, H_kv, L, D) view of the store (grouped
    matmuls on CPU, :func:`~pipeline.kv.attention.grouped_decode_attention`; SDPA on CUDA).
@@ -282,7 +283,7 @@ class VarLenCache(ChunkCache):
             out = blocked_attention(query, layer, self.query_pos, scaling)
             if out is not None:
                 return out, kernel
-            kernel = "reference"  # a layout not grown into blocks
+            kernel = "sdpa" if query.is_cuda else "reference"  # a layout not grown into blocks
         keys, values, key_pos = layer.padded_view()
         if kernel == "sdpa":
             return sdpa_varlen_attention(query, keys, values, key_pos, self.query_pos, scaling), kernel

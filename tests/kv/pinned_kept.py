@@ -93,7 +93,7 @@ def kept_for_current_code(model, method, size, priors, ids, pos):
     model.set_attn_implementation(register())
     cache = VarLenCache(cfg.num_hidden_layers, Compressor(comp, tensor))
     with torch.inference_mode():
-        run_chunk(model, cache, ids, pos)
+        run_chunk(model, cache, ids.to(model.device), pos.to(model.device))  # CRITICALKV_TEST_DEVICE
     return kept_positions(cache, cfg.num_hidden_layers, ids.shape[0], cfg.num_key_value_heads)
 
 

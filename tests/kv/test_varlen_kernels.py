@@ -251,6 +251,24 @@ def test_kernel_choice():
     assert choose_kernel(q, need_probs=True, forced="sdpa") == "reference"  # the decode cap needs probabilities
 
 
+def test_kernel_choice_on_cuda_without_flash_attn(monkeypatch):
+    """CUDA without flash-attn: decode steps read the ragged store in place (``blocked``), longer
+    chunks take SDPA over the padded view; with flash-attn, flash for both (fp16/bf16)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(varlen_kernels, "flash_varlen_function", lambda: None)
+
+    def cuda_query(tokens: int, dtype=torch.bfloat16):
+        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(2, 4, tokens, 8))
+
+    assert choose_kernel(cuda_query(1), need_probs=False) == "blocked"
+    assert choose_kernel(cuda_query(7), need_probs=False) == "sdpa"
+    assert choose_kernel(cuda_query(1), need_probs=True) == "reference"
+    monkeypatch.setattr(varlen_kernels, "flash_varlen_function", lambda: naive_flash_varlen)
+    assert choose_kernel(cuda_query(1), need_probs=False) == "flash"
+    assert choose_kernel(cuda_query(1, torch.float32), need_probs=False) == "blocked"
+
+
 def test_dense_decode_kernel_choice():
     q = torch.zeros(1, 2, 1, 4)
     assert dense_decode_kernel(q, choose_kernel(q, need_probs=False)) == "grouped"  # CPU default
@@ -312,7 +330,8 @@ def test_engine_batches_give_the_same_answers_with_each_kernel(kernel, monkeypat
 
 def test_single_row_ragged_decode_answers_alike_with_flat_blocked_and_reference(monkeypatch):
     """One document at a time (the CPU default), ragged AdaKV budgets, two questions: the flat
-    decode kernel runs and answers exactly as the blocked kernel and the fp32 reference do."""
+    decode kernel (inside the blocked path, CPU's default, forced here so that the test means the
+    same on CUDA) runs and answers exactly as the blocked kernel and the fp32 reference do."""
     requests = [Request("a", "The quick brown fox jumps over the lazy dog. " * 6, ["Who jumps?", "What dog?"])]
     config = CompressionConfig(method="criticalkv-adakv-snapkv", cache_size=0.4, window=4, kernel=3)
     calls = []
@@ -328,7 +347,7 @@ def test_single_row_ragged_decode_answers_alike_with_flat_blocked_and_reference(
         engine = Engine(tiny_loaded("mistral"), config, GenerationConfig(max_new_tokens=8))
         return [(a.prediction, a.kv_entries_kept, a.error) for a in engine.generate(requests)], len(calls)
 
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.setenv(KERNEL_ENV, "blocked")
     flat, flat_calls = run()
     assert flat_calls > 0 and all(error is None for *_, error in flat)
     monkeypatch.setenv(RAGGED_ENV, "blocked")
