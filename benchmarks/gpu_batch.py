@@ -7,9 +7,9 @@ tokenizer, and decode throughput at a fixed KV memory budget.
   costs what it costs in a job (random weights make the scores meaningless, not the time).
 * :func:`measure_throughput`: tokens/s of greedy decode steps at the largest batch whose caches fit
   ``budget_bytes`` of KV memory (the question of "Throughput from the freed memory": what the freed
-  memory buys). One document is prefilled and compressed; the batch is that cache's rows copied
-  ``B`` times (:meth:`pipeline.kv.store.VarLenLayer.concat`), which costs the decode exactly what
-  ``B`` different documents of the same kept lengths cost. ``B = floor(budget / bytes of one row)``
+  memory buys). One document's compressed cache is given; the batch is its row copied ``B`` times
+  (:meth:`pipeline.kv.store.VarLenLayer.concat`), which costs the decode exactly what ``B``
+  different documents of the same kept lengths cost. ``B = floor(budget / bytes of one row)``
   with the row's bytes as the cache counts them (entries, positions, segment tables and the slots
   reserved for the decoded tokens).
 """
@@ -23,7 +23,6 @@ import torch
 
 from pipeline.engine.reconstruction import ContextReconstruction
 from pipeline.kv.cache import VarLenCache, run_chunk
-from pipeline.kv.compress import Compressor
 from pipeline.kv.store import VarLenLayer
 from pipeline.kv.varlen_kernels import KernelChoice
 
@@ -73,27 +72,27 @@ def batch_of(cache: VarLenCache, rows: int, kernels: KernelChoice | None = None)
 
 @torch.inference_mode()
 def measure_throughput(
-    model, prefill, compressor: Compressor, ids: torch.Tensor, budget_bytes: int, steps: int, warmup: int, **kw
+    model, one: VarLenCache, budget_bytes: int, steps: int, warmup: int, kernels: KernelChoice | None = None
 ) -> dict:
-    """Decode tokens/s of the largest batch of ``ids``'s compressed cache that fits ``budget_bytes``.
+    """Decode tokens/s of the largest batch of copies of ``one`` (a compressed single-row cache) that
+    fits ``budget_bytes``, read with ``kernels`` (None: chosen per call).
 
-    prefill: ``(model, compressor, ids) -> (seconds, cache)`` (the GPU check's). ``kw`` may name
-    ``kernels`` (a :class:`KernelChoice` for the batch). Returns batch, row bytes, KV bytes held,
-    median ms per step, tokens/s, the attention kernel and the peak memory of the decode."""
-    device, n = ids.device, ids.shape[1]
-    _, one = prefill(model, compressor, ids)
+    Returns batch, row bytes, KV bytes held, median ms per step, tokens/s, the attention kernel and
+    the peak memory of the decode (CUDA)."""
+    device = one.store[0].keys.device
+    start = max(int(layer.positions.max()) for layer in one.store) + 1  # after what the row holds
     one.reserve(steps + warmup + 1)
     row_bytes = int(one.nbytes())
     rows = max(1, min(MAX_BATCH, budget_bytes // row_bytes))
-    batch = batch_of(one, rows, kw.get("kernels"))
-    del one
+    batch = batch_of(one, rows, kernels)
+    held = int(batch.nbytes())  # at most rows x row_bytes (a single row also caches its flat-kernel mask)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     token = torch.full((rows, 1), 42, device=device)
     times = []
     for i in range(warmup + steps):
-        pos = torch.full((rows, 1), n + i, device=device)
+        pos = torch.full((rows, 1), start + i, device=device)
         _sync(device)
         t0 = time.perf_counter()
         run_chunk(model, batch, token, pos, logits_to_keep=1)
@@ -104,7 +103,7 @@ def measure_throughput(
     return {
         "batch": rows,
         "row_bytes": row_bytes,
-        "kv_bytes": int(batch.nbytes()),
+        "kv_bytes": held,
         "step_ms": 1000.0 * step_s,
         "tokens_per_s": rows / step_s,
         "kernel": ",".join(sorted(batch.kernels_used)),

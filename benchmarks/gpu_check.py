@@ -25,9 +25,10 @@ read) and methods interleaved within each repeat (medians):
   bytes of a full bf16 cache, and peak memory (``torch.cuda.max_memory_allocated``) during prefill
   and during decode, weights included;
 - decode throughput at a fixed KV memory budget (``--kv-budget-gib``, default 40): the largest batch
-  of one length's full / 20 % uniform (``snapkv``) / 20 % ragged (the default, with the kernel
-  chosen per call and with ``blocked`` forced) caches that fits it, tokens/s
-  (:func:`benchmarks.gpu_batch.measure_throughput`).
+  of copies of the full / 20 % uniform (``snapkv``) / 20 % ragged (the default, with the kernel
+  chosen per call and with ``sdpa`` forced) cache that fits it, tokens/s
+  (:func:`benchmarks.gpu_batch.measure_throughput`), built from the cache the first repeat's decode
+  used (no extra prefill).
 
 The model: ``LlamaConfig`` hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
 vocab 128256 (Llama-3.1-8B's shapes; default RoPE, which does not change timing), built on the meta
@@ -59,7 +60,7 @@ from pipeline.kv.config import CompressionConfig
 from pipeline.kv.varlen_kernels import KernelChoice
 
 METHODS = ("none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv", "criticalkv-layer-kvzip", "kvzip")
-THROUGHPUT = (("none", None), ("snapkv", None), ("criticalkv-layer-kvzip", None), ("criticalkv-layer-kvzip", "blocked"))
+THROUGHPUT = {"none": (None,), "snapkv": (None,), "criticalkv-layer-kvzip": (None, "sdpa")}  # method: forced kernels
 
 
 # ------------------------------------------------------------------ timing and memory
@@ -152,6 +153,7 @@ class Check:
         self.compressors = {m: Compressor(compression(m, args.cache_size)) for m in METHODS}
         self.gen = torch.Generator(device=self.device).manual_seed(1)
         self.warnings: list[str] = []
+        self.throughput: list[dict] = []  # rows of the batch table, filled by measure_cell
 
     def over_budget(self) -> bool:
         return time.monotonic() - self.t_start > self.args.budget_s
@@ -205,6 +207,8 @@ class Check:
                     continue
                 self.measure_cell(cells[m], ids, decode=r == 0)
         for c in cells.values():
+            if c["status"].startswith("skipped") and c["prefill_s"]:  # cut short after its first repeats
+                c["status"] = f"ok ({len(c['prefill_s'])} of {self.args.repeats} repeats)"
             c["prefill_median_s"] = statistics.median(c["prefill_s"]) if c["prefill_s"] else None
             c["compress_median_s"] = statistics.median(c["compress_s"]) if c["compress_s"] else None
         del ids
@@ -232,6 +236,8 @@ class Check:
                 )
                 c["peak_decode"] = peak_bytes(device)
                 c["kernel"] = ",".join(sorted(cache.kernels_used))
+                if str(ids.shape[1]) in self.args.batch_lengths.split(",") and c["method"] in THROUGHPUT:
+                    self.measure_throughput(c["method"], cache, ids.shape[1])
         except Exception as exc:
             c["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
             if not _is_oom(exc) and self.args.raise_errors:
@@ -240,21 +246,21 @@ class Check:
             del cache
             free(device)
 
-    def measure_throughput(self, n: int) -> list[dict]:
-        """Decode tokens/s of each ``THROUGHPUT`` variant at ``n`` tokens in ``--kv-budget-gib`` of KV."""
-        ids, budget, rows = self.random_ids(n), int(self.args.kv_budget_gib * 2**30), []
-        for method, kernel in THROUGHPUT:
+    def measure_throughput(self, method: str, cache: VarLenCache, n: int) -> None:
+        """Decode tokens/s of the largest batch of copies of ``cache`` (one row) in ``--kv-budget-gib``
+        of KV (``n``: its context length), with each kernel ``THROUGHPUT`` names for ``method``; one row
+        each in ``self.throughput``."""
+        for kernel in THROUGHPUT[method]:
             row = {"tokens": n, "method": method, "forced": kernel or "—", "budget_gib": self.args.kv_budget_gib}
-            if self.over_budget():
-                rows.append({**row, "status": "skipped (time budget)"})
-                continue
             try:
+                if self.over_budget():
+                    row["status"] = "skipped (time budget)"
+                    continue
                 kernels = KernelChoice(varlen=kernel) if kernel else None
-                steps, warm = self.args.decode_steps, self.args.decode_warmup
+                args = self.args
+                budget = int(args.kv_budget_gib * 2**30)
                 row.update(
-                    measure_throughput(
-                        self.model, prefill, self.compressors[method], ids, budget, steps, warm, kernels=kernels
-                    ),
+                    measure_throughput(self.model, cache, budget, args.decode_steps, args.decode_warmup, kernels),
                     status="ok",
                 )
             except Exception as exc:  # noqa: BLE001 - reported in the table
@@ -263,8 +269,7 @@ class Check:
                     raise
             finally:
                 free(self.device)
-            rows.append(row)
-        return rows
+                self.throughput.append(row)
 
     def info(self) -> dict:
         args, device = self.args, self.device
@@ -298,12 +303,9 @@ def run(args) -> dict:
     check = Check(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     check.warm_up_methods(min(512, min(lengths)))
-    result = {"rows": [], "throughput": []}
-    for n in lengths:  # written after each step: a run killed at its hard limit keeps what it measured
+    result = {"rows": [], "throughput": check.throughput}
+    for n in lengths:  # written after each length: a run killed at its hard limit keeps what it measured
         result["rows"] += check.measure_length(n)
-        write(args.out, {**result, "info": check.info()})
-    for n in [int(x) for x in args.batch_lengths.split(",") if x]:
-        result["throughput"] += check.measure_throughput(n)
         write(args.out, {**result, "info": check.info()})
     return {**result, "info": check.info()}
 
@@ -336,11 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         "--lengths", default=None, help="comma-separated context lengths (default 8192,32768; smoke 256,512)"
     )
     p.add_argument("--cache-size", type=float, default=0.2, help="kept fraction of every compressed method")
-    p.add_argument("--batch-lengths", default=None, help="throughput context lengths (default 8192,32768; smoke 256)")
+    p.add_argument("--batch-lengths", default=None, help="lengths of --lengths with a throughput batch (default: all)")
     p.add_argument(
         "--kv-budget-gib", type=float, default=None, help="KV memory of the throughput batch (default 40; smoke 0.002)"
     )
-    p.add_argument("--repeats", type=int, default=None, help="prefill repeats per method (default 3; smoke 1)")
+    p.add_argument("--repeats", type=int, default=None, help="prefill repeats per method (default 2; smoke 1)")
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
     p.add_argument("--decode-warmup", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=360.0, help="start no new measurement after this many seconds")
@@ -356,11 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device; the 8B-shaped run needs a GPU (use --smoke on CPU)", file=sys.stderr)
         return 2
     args.lengths = args.lengths or ("256,512" if args.smoke else "8192,32768")
-    args.batch_lengths = (
-        args.batch_lengths if args.batch_lengths is not None else ("256" if args.smoke else "8192,32768")
-    )
+    args.batch_lengths = args.lengths if args.batch_lengths is None else args.batch_lengths
     args.kv_budget_gib = args.kv_budget_gib or (0.002 if args.smoke else 40.0)
-    args.repeats = args.repeats or (1 if args.smoke else 3)
+    args.repeats = args.repeats or (1 if args.smoke else 2)
     args.decode_steps = args.decode_steps or (4 if args.smoke else 32)
     result = run(args)
     print(write(args.out, result), flush=True)

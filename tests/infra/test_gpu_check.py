@@ -52,7 +52,7 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
         "kvzip",
     ]
     batch_rows = [r.split("|")[2].strip() + "/" + r.split("|")[3].strip() for r in rows if r.count("|") <= 13]
-    assert batch_rows == ["none/—", "snapkv/—", "criticalkv-layer-kvzip/—", "criticalkv-layer-kvzip/blocked"]
+    assert batch_rows == ["none/—", "snapkv/—", "criticalkv-layer-kvzip/—", "criticalkv-layer-kvzip/sdpa"]
     assert all(r.rstrip().endswith("| ok |") for r in rows), table
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     by = {r["method"]: r for r in result["rows"]}
@@ -65,9 +65,11 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
     full, uniform = batch[("none", "—")], batch[("snapkv", "—")]
     for r in result["throughput"]:  # the batch fits the budget, one more row would not
         assert r["batch"] * r["row_bytes"] <= 0.002 * 2**30 < (r["batch"] + 1) * r["row_bytes"]
-        assert r["kv_bytes"] == r["batch"] * r["row_bytes"] and r["tokens_per_s"] > 0
+        assert 0.9 * r["batch"] * r["row_bytes"] <= r["kv_bytes"] <= r["batch"] * r["row_bytes"]
+        assert r["tokens_per_s"] > 0
     assert uniform["batch"] >= 4 * full["batch"]  # a 20 % cache: about five times the rows
-    assert batch[("criticalkv-layer-kvzip", "blocked")]["kernel"] == "blocked"
+    assert batch[("criticalkv-layer-kvzip", "sdpa")]["kernel"] == "sdpa"
+    assert batch[("criticalkv-layer-kvzip", "—")]["kernel"] == "blocked"  # ragged rows, read in place
     assert (tmp_path / "gpu_check.md").read_text().strip() == table.strip()
 
 
