@@ -58,25 +58,21 @@ WEIGHTS_PER_CALL = 1 << 24
 
 
 def store_from_segments(
-    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, rows: int, heads: int
+    sources: list[torch.Tensor], positions: torch.Tensor, keep: torch.Tensor, rows: int, heads: int
 ) -> VarLenLayer:
     """An exactly sized store of the kept slots of per-segment padded tensors, in slot order.
-    keys/values: (S, L, D); positions: (S, L) (-1: no entry); keep: (S, L) bool; S = rows * heads."""
-    segments, width, dim = keys.shape
+    sources: [keys, values], each (S, L, D), taken out of the list as they are copied, so the keys
+    (or the old store's keys they view) are gone before the kept values' copy exists; positions:
+    (S, L) (-1: no entry); keep: (S, L) bool; S = rows * heads."""
+    dim = sources[0].shape[-1]
     keep = keep & (positions >= 0)
     length = keep.sum(-1).to(torch.long)
     start = torch.cumsum(length, 0) - length
     flat = keep.reshape(-1).nonzero().squeeze(1)
-    return VarLenLayer(
-        torch.index_select(keys.reshape(-1, dim), 0, flat),
-        torch.index_select(values.reshape(-1, dim), 0, flat),
-        torch.index_select(positions.reshape(-1).to(torch.int32), 0, flat),
-        start,
-        length,
-        length.clone(),
-        rows,
-        heads,
-    )
+    keys = torch.index_select(sources.pop(0).reshape(-1, dim), 0, flat)
+    values = torch.index_select(sources.pop(0).reshape(-1, dim), 0, flat)
+    kept_positions = torch.index_select(positions.reshape(-1).to(torch.int32), 0, flat)
+    return VarLenLayer(keys, values, kept_positions, start, length, length.clone(), rows, heads)
 
 
 def kept_in_order(values: torch.Tensor, keep: torch.Tensor, fill: str = "-inf") -> torch.Tensor:
@@ -181,7 +177,14 @@ class ChunkedCompression:
             key, value, _ = self.first_chunk.pop(idx)
             return key.reshape(-1, key.shape[2], key.shape[3]), value.reshape(-1, value.shape[2], value.shape[3])
         layer, self.cache.store[idx] = self.cache.store[idx], None
-        keys, values, _ = layer.padded_view()
+        if layer.uniform is not None or (layer.is_rectangular() and int(layer.capacity[0]) >= layer.max_length):
+            keys, values, _ = layer.padded_view()  # zero-copy views of the store
+            return keys, values
+        index, _ = layer.padded_index()
+        flat, dim = index.reshape(-1), layer.keys.shape[-1]
+        keys = torch.index_select(layer.keys, 0, flat).view(*index.shape, dim)
+        layer.keys = None  # the old keys leave before the values' copy exists (one buffer less at the peak)
+        values = torch.index_select(layer.values, 0, flat).view(*index.shape, dim)
         return keys, values
 
     def compress(self, seen: torch.Tensor) -> None:
@@ -200,13 +203,13 @@ class ChunkedCompression:
         positions, unions, known = zip(*(self._candidates(idx) for idx in layers))
         scores, budgets, row_window = compressor.union_budgets(positions, unions, seen, self.lengths, layers)
         for j, idx in enumerate(layers):
-            keys, values = self._keys_values(idx)
+            sources = list(self._keys_values(idx))  # [keys, values]: emptied by store_from_segments
             module = self.modules[idx]
             keep, norms = compressor.union_select(
-                idx, module, scores[j], budgets[j], keys, values, seen, row_window, known[j]
+                idx, module, scores[j], budgets[j], *sources, seen, row_window, known[j]
             )
             keep = keep.reshape(positions[j].shape) & (positions[j] >= 0)
-            self.cache.store[idx] = store_from_segments(keys, values, positions[j], keep, bsz, heads)
+            self.cache.store[idx] = store_from_segments(sources, positions[j], keep, bsz, heads)
             self.held_scores[idx] = kept_in_order(unions[j], keep)
             self.held_norms[idx] = None if norms is None else kept_in_order(norms.reshape(keep.shape), keep, "nan")
             self.chunk_scores[idx] = None

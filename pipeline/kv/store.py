@@ -188,7 +188,9 @@ class VarLenLayer:
             if old is None:
                 continue
             new = old.new_full((total, *old.shape[1:]), -1 if name == "positions" else 0)
-            new[dst] = old[src]
+            step = max(4096, -(-src.numel() // 8))  # gathered temporaries of at most an eighth of the buffer
+            for at in range(0, src.numel(), step):
+                new[dst[at : at + step]] = old[src[at : at + step]]
             setattr(self, name, new)
         self.start, self.capacity = new_start, new_capacity.clone()
         self._refresh_layout()

@@ -79,9 +79,11 @@ FLAT_MAX_MASKED = 12288
 # queries per call of a prefill chunk over its segment: each block reads the chunk's keys only up to its
 # own last query, which skips most of the chunk's causal upper half (benchmarks/method_costs.py)
 CHUNK_QUERY_BLOCK = 256
-# float32 logits (query heads x queries x slots) per blocked call: 4 MiB; a question of T tokens over a long
-# cache runs in query slices instead of materialising T x slots logits, probabilities and masks at once
-BLOCKED_LOGITS_PER_CALL = 1 << 20
+# elements of a blocked call's temporaries (per block and query head: the gathered query and the weighted
+# values, D each, the logits and probabilities, W each): 4 MiB in fp32. A question of T tokens over a long
+# cache runs in query slices instead of materialising them for all T at once. (Counting only the logits
+# let the four reach 6x that with D = 64 and W = 32: 24 MiB per call, the peak of an 8K run after a chunked prefill.)
+BLOCKED_ELEMENTS_PER_CALL = 1 << 20
 
 
 @functools.lru_cache(maxsize=1)
@@ -175,12 +177,13 @@ def flat_decode_attention(query: torch.Tensor, layer, scaling: float) -> torch.T
 
 
 def blocked_attention(
-    query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float, max_logits: int = BLOCKED_LOGITS_PER_CALL
+    query: torch.Tensor, layer, query_pos: torch.Tensor, scaling: float, max_elements: int = BLOCKED_ELEMENTS_PER_CALL
 ) -> torch.Tensor | None:
     """Attention of T new tokens per row over a block-aligned ``layer`` (the chunk's own entries
     already appended), read in place: key j is visible to query q iff ``0 <= pos_j <= pos_q`` and
-    j is a live slot of q's segment. The queries go in slices of at most ``max_logits`` float32
-    logits each (every query is attended alone: slicing changes nothing but the temporaries).
+    j is a live slot of q's segment. The queries go in slices whose temporaries (gathered queries,
+    logits, probabilities, weighted values) hold at most ``max_elements`` elements (every query is
+    attended alone: slicing changes nothing but the temporaries).
 
     query: (B, H_q, T, D); query_pos: (B, T). Returns (B, H_q, T, D), or None when the layout is
     not block aligned.
@@ -189,8 +192,9 @@ def blocked_attention(
     if table is None:
         return None
     t = query.shape[2]
-    per_query = table[1].numel() * (query.shape[1] // layer.num_heads)  # slots x query heads per KV head
-    step = max(1, max_logits // max(per_query, 1))
+    blocks, width = table[1].shape
+    per_query = blocks * (query.shape[1] // layer.num_heads) * 2 * (query.shape[3] + width)
+    step = max(1, max_elements // max(per_query, 1))
     if t <= step:
         return _blocked_slice(query, layer, table, query_pos, scaling, causal=t > 1)
     pieces = [

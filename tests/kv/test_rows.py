@@ -113,3 +113,20 @@ def test_the_decode_caps_statistics_move_with_a_prefix_and_must_match_to_join():
     assert entry_statistics(taken) == [before[1 * HEADS + h][: int(prefix[h])] for h in range(HEADS)]
     with pytest.raises(ValueError, match="differ in decode-cap statistics"):
         VarLenLayer.concat([layer, random_layer(1, 12)])
+
+
+@pytest.mark.parametrize("entries", [5, 9000])
+def test_growing_a_layer_keeps_every_segment(entries):
+    """``reserve`` lays the segments out in bigger rooms; the copy goes in slices (at most an eighth of
+    the entries, at least 4,096 at a time), so 9,000 entries per segment take several."""
+    g = torch.Generator().manual_seed(entries)
+    rows, total = 2, 2 * HEADS * entries
+    length = torch.tensor([entries, entries - 3, entries // 2, 1])
+    start = torch.arange(rows * HEADS) * entries
+    keys, values = torch.randn(total, DIM, generator=g), torch.randn(total, DIM, generator=g)
+    positions = torch.randint(0, 10**6, (total,), generator=g, dtype=torch.int32)
+    layer = VarLenLayer(keys, values, positions, start, length, torch.full((4,), entries), rows, HEADS)
+    before = segments(layer)
+    layer.reserve(40)
+    assert segments(layer) == before
+    assert bool((layer.capacity >= layer.length + 40).all()) and layer.keys.shape[0] == int(layer.capacity.sum())

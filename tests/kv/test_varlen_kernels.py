@@ -161,14 +161,31 @@ def test_blocked_decode_equals_the_reference_in_place(groups):
     assert layer.keys.data_ptr() == keys_before
 
 
-@pytest.mark.parametrize("max_logits", [1 << 20, 1])
+def test_blocked_slices_bound_every_temporary(monkeypatch):
+    """A slice of queries holds at most ``max_elements`` elements of temporaries: per block and query
+    head the gathered query and the weighted values (D each), the logits and probabilities (W each)."""
+    layer, query, query_pos, _ = _layer_and_chunk(groups=3, append=True, pad=(0, 2))
+    blocks, width = layer.block_table()[1].shape
+    per_query = blocks * (query.shape[1] // layer.num_heads) * (2 * query.shape[3] + 2 * width)
+    sizes, real_slice = [], varlen_kernels._blocked_slice
+
+    def recorded(q, *args, **kwargs):
+        sizes.append(q.shape[2])
+        return real_slice(q, *args, **kwargs)
+
+    monkeypatch.setattr(varlen_kernels, "_blocked_slice", recorded)
+    blocked_attention(query, layer, query_pos, 0.3, max_elements=2 * per_query + 1)
+    assert query.shape[2] > 2 and max(sizes) == 2 and sum(sizes) == query.shape[2]
+
+
+@pytest.mark.parametrize("max_elements", [1 << 20, 1])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_blocked_chunk_equals_the_reference(groups, max_logits):
+def test_blocked_chunk_equals_the_reference(groups, max_elements):
     """A left-padded chunk of several tokens (causal among themselves) over ragged segments; with
-    ``max_logits`` 1 every query goes alone."""
+    ``max_elements`` 1 every query goes alone."""
     layer, query, query_pos, real = _layer_and_chunk(groups=groups, append=True, pad=(0, 2))
     assert layer.block_table() is not None  # the append grew the layer into blocks
-    got = blocked_attention(query, layer, query_pos, 0.3, max_logits=max_logits)
+    got = blocked_attention(query, layer, query_pos, 0.3, max_elements=max_elements)
     expected = _reference(layer, query, query_pos, 0.3)
     mask = real[:, None, :, None].expand_as(expected)
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
