@@ -52,16 +52,33 @@ def finish_passes(model, cache: VarLenCache, ids: torch.Tensor) -> float:
     t0 = time.perf_counter()
     passes = ContextReconstruction(model, RandomPrompts(model.config.vocab_size), 0, ids.device)
     scores = passes.scores([ids[0].tolist()], [0], cache.pending, cfg.reconstruction_chunk, cfg.kvzip_plus)
-    _sync(ids.device)
+    sync(ids.device)
     seconds = time.perf_counter() - t0
     cache.compress_seconds += seconds
     cache.finish_compression(scores)
     return seconds
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def timed_decode_steps(model, cache: VarLenCache, start: int, steps: int, warmup: int) -> list[float]:
+    """Seconds of ``steps`` greedy-shaped decode steps (token 42 in every row, positions ``start``,
+    ``start + 1``, ...) after ``warmup`` untimed ones; the device synchronised around each."""
+    rows, device = cache.store[0].num_rows, cache.store[0].keys.device
+    token, times = torch.full((rows, 1), 42, device=device), []
+    for i in range(warmup + steps):
+        pos = torch.full((rows, 1), start + i, device=device)
+        sync(device)
+        t0 = time.perf_counter()
+        run_chunk(model, cache, token, pos, logits_to_keep=1)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def batch_of(cache: VarLenCache, rows: int, kernels: KernelChoice | None = None) -> VarLenCache:
@@ -89,17 +106,7 @@ def measure_throughput(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    token = torch.full((rows, 1), 42, device=device)
-    times = []
-    for i in range(warmup + steps):
-        pos = torch.full((rows, 1), start + i, device=device)
-        _sync(device)
-        t0 = time.perf_counter()
-        run_chunk(model, batch, token, pos, logits_to_keep=1)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+    step_s = statistics.median(timed_decode_steps(model, batch, start, steps, warmup))
     return {
         "batch": rows,
         "row_bytes": row_bytes,

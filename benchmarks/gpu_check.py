@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_batch import finish_passes, measure_throughput
+from benchmarks.gpu_batch import finish_passes, measure_throughput, sync, timed_decode_steps
 from benchmarks.gpu_check_report import markdown
 from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model
 from pipeline.kv.cache import VarLenCache, run_chunk
@@ -64,11 +64,6 @@ THROUGHPUT = {"none": (None,), "snapkv": (None,), "criticalkv-layer-kvzip": (Non
 
 
 # ------------------------------------------------------------------ timing and memory
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         sync(device)
@@ -109,19 +104,9 @@ def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, Va
 
 
 @torch.inference_mode()
-def decode_ms_per_token(model, cache: VarLenCache, start: int, steps: int, warmup: int, device: torch.device) -> float:
+def decode_ms_per_token(model, cache: VarLenCache, start: int, steps: int, warmup: int) -> float:
     cache.reserve(steps + warmup + 1)
-    ids = torch.tensor([[42]], device=device)
-    times = []
-    for i in range(warmup + steps):
-        pos = torch.tensor([[start + i]], device=device)
-        sync(device)
-        t0 = time.perf_counter()
-        run_chunk(model, cache, ids, pos, logits_to_keep=1)
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return 1000.0 * statistics.median(times)
+    return 1000.0 * statistics.median(timed_decode_steps(model, cache, start, steps, warmup))
 
 
 def full_kv_bytes(config, n: int, dtype: torch.dtype) -> int:
@@ -177,7 +162,7 @@ class Check:
 
             def short_run(m=m):
                 _, cache = prefill(self.model, self.compressors[m], warm)
-                decode_ms_per_token(self.model, cache, warm.shape[1], 1, 1, self.device)
+                decode_ms_per_token(self.model, cache, warm.shape[1], 1, 1)
 
             self.warm_up(f"{m} at {warm.shape[1]} tokens", short_run)
 
@@ -232,7 +217,7 @@ class Check:
                 reset_peak(device)
                 args = self.args
                 c["decode_ms"] = decode_ms_per_token(
-                    self.model, cache, ids.shape[1], args.decode_steps, args.decode_warmup, device
+                    self.model, cache, ids.shape[1], args.decode_steps, args.decode_warmup
                 )
                 c["peak_decode"] = peak_bytes(device)
                 c["kernel"] = ",".join(sorted(cache.kernels_used))
