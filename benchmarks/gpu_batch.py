@@ -64,6 +64,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def sm_clock_mhz(device: torch.device) -> int | None:
+    """The GPU's SM clock now (MHz, through NVML), None on CPU or without NVML. Read right after a
+    timed decode: a host-bound decode may run on a clocked-down GPU (``docs/results/gpu/README.md``)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # noqa: BLE001 - pynvml missing or the query refused: no figure
+        return None
+
+
 @torch.inference_mode()
 def timed_decode_steps(model, cache: VarLenCache, start: int, steps: int, warmup: int) -> list[float]:
     """Seconds of ``steps`` greedy-shaped decode steps (token 42 in every row, positions ``start``,
@@ -114,5 +125,6 @@ def measure_throughput(
         "step_ms": 1000.0 * step_s,
         "tokens_per_s": rows / step_s,
         "kernel": ",".join(sorted(batch.kernels_used)),
+        "sm_mhz": sm_clock_mhz(device),
         "peak_decode": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
     }

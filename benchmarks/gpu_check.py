@@ -20,7 +20,8 @@ read) and methods interleaved within each repeat (medians):
   (``none``) against the 20 % caches, and which attention path the decode took
   (``VarLenCache.kernels_used``: ``dense-sdpa`` (``dense-grouped`` on CPU), ``flash``, ``sdpa``,
   ``blocked``, ``flat`` (CPU, one ragged row) or ``reference``; force one with
-  ``CRITICALKV_VARLEN_KERNEL``);
+  ``CRITICALKV_VARLEN_KERNEL``), and the SM clock right after it (NVML: a host-bound decode may run
+  on a clocked-down GPU);
 - kept KV bytes (``VarLenCache.nbytes()``, entries plus positions and segment tables) against the
   bytes of a full bf16 cache, and peak memory (``torch.cuda.max_memory_allocated``) during prefill
   and during decode, weights included;
@@ -51,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_batch import finish_passes, measure_throughput, sync, timed_decode_steps
+from benchmarks.gpu_batch import finish_passes, measure_throughput, sm_clock_mhz, sync, timed_decode_steps
 from benchmarks.gpu_check_report import markdown
 from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model
 from pipeline.kv.cache import VarLenCache, run_chunk
@@ -219,6 +220,7 @@ class Check:
                 c["decode_ms"] = decode_ms_per_token(
                     self.model, cache, ids.shape[1], args.decode_steps, args.decode_warmup
                 )
+                c["sm_mhz"] = sm_clock_mhz(device)
                 c["peak_decode"] = peak_bytes(device)
                 c["kernel"] = ",".join(sorted(cache.kernels_used))
                 if str(ids.shape[1]) in self.args.batch_lengths.split(",") and c["method"] in THROUGHPUT:

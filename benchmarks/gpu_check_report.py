@@ -22,8 +22,9 @@ def markdown(result: dict) -> str:
         f"decode median of {info['decode_steps']} steps; total {info['elapsed_s']:.0f} s.",
         "",
         "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | "
-        "decode kernel | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | status |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        "decode kernel | SM MHz after decode | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | "
+        "status |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         snap = by.get((r["tokens"], "snapkv"), {})
@@ -45,6 +46,7 @@ def markdown(result: dict) -> str:
             _num(d, ".1f"),
             dratio,
             r.get("kernel") or "—",
+            _num(r.get("sm_mhz"), "d"),
             _num(kept / 2**20 if kept else None, ".1f"),
             kept_ratio,
             _gib(r.get("peak_prefill")),
@@ -68,8 +70,8 @@ def throughput_table(rows: list[dict]) -> list[str]:
         "document that fits; median step):",
         "",
         "| tokens | method | forced kernel | batch | KV GiB held | ms/step | tokens/s | ÷ full | kernel | "
-        "peak GiB | status |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---|",
+        "SM MHz | peak GiB | status |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in rows:
         ref = full.get(r["tokens"], {})
@@ -85,6 +87,7 @@ def throughput_table(rows: list[dict]) -> list[str]:
             _num(tps, ".0f"),
             ratio,
             r.get("kernel") or "—",
+            _num(r.get("sm_mhz"), "d"),
             _gib(r.get("peak_decode")),
             r["status"],
         ]

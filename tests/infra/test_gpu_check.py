@@ -42,7 +42,7 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
     assert rc == 0
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| 400 |")]
-    prefill_rows = [r.split("|")[2].strip() for r in rows if r.count("|") > 13]
+    prefill_rows = [r.split("|")[2].strip() for r in rows if r.count("|") > 14]
     assert prefill_rows == [
         "none",
         "snapkv",
@@ -51,7 +51,7 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
         "criticalkv-layer-kvzip",
         "kvzip",
     ]
-    batch_rows = [r.split("|")[2].strip() + "/" + r.split("|")[3].strip() for r in rows if r.count("|") <= 13]
+    batch_rows = [r.split("|")[2].strip() + "/" + r.split("|")[3].strip() for r in rows if r.count("|") <= 14]
     assert batch_rows == ["none/—", "snapkv/—", "criticalkv-layer-kvzip/—", "criticalkv-layer-kvzip/sdpa"]
     assert all(r.rstrip().endswith("| ok |") for r in rows), table
     result = json.loads((tmp_path / "gpu_check.json").read_text())
