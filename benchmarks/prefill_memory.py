@@ -104,6 +104,8 @@ def transformers_side(engine, text: str, new_tokens: int):
     import torch
     from transformers import DynamicCache
 
+    from pipeline.kv.attention import cache_keyword
+
     model = engine.model
     prompt = engine.prompts.encode(text, [QUESTION])  # the token ids ours prefills and asks
 
@@ -111,11 +113,11 @@ def transformers_side(engine, text: str, new_tokens: int):
     def run() -> None:
         ctx = torch.tensor([prompt.context_ids])
         cache = DynamicCache()
-        model.model(input_ids=ctx, past_key_values=cache)
+        model.model(input_ids=ctx, **{cache_keyword(model.model): cache})
         ids = torch.tensor([prompt.question_ids[0]])
         pos = torch.arange(ctx.shape[1], ctx.shape[1] + ids.shape[1])[None]
         for _ in range(new_tokens):
-            out = model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+            out = model(input_ids=ids, position_ids=pos, logits_to_keep=1, **{cache_keyword(model): cache})
             ids, pos = out.logits[:, -1].argmax(-1, keepdim=True), pos[:, -1:] + 1
 
     return run
