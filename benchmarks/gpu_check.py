@@ -140,6 +140,7 @@ class Check:
         self.gen = torch.Generator(device=self.device).manual_seed(1)
         self.warnings: list[str] = []
         self.throughput: list[dict] = []  # rows of the batch table, filled by measure_cell
+        self.batch_lengths = {int(x) for x in args.batch_lengths.split(",") if x}
 
     def over_budget(self) -> bool:
         return time.monotonic() - self.t_start > self.args.budget_s
@@ -223,15 +224,19 @@ class Check:
                 c["sm_mhz"] = sm_clock_mhz(device)
                 c["peak_decode"] = peak_bytes(device)
                 c["kernel"] = ",".join(sorted(cache.kernels_used))
-                if str(ids.shape[1]) in self.args.batch_lengths.split(",") and c["method"] in THROUGHPUT:
+                if ids.shape[1] in self.batch_lengths and c["method"] in THROUGHPUT:
                     self.measure_throughput(c["method"], cache, ids.shape[1])
         except Exception as exc:
-            c["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
-            if not _is_oom(exc) and self.args.raise_errors:
-                raise
+            self.fail(c, exc)
         finally:
             del cache
             free(device)
+
+    def fail(self, cell: dict, exc: Exception) -> None:
+        """A measurement's failure in its table row (``OOM`` or the error); re-raised with --raise-errors."""
+        cell["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
+        if not _is_oom(exc) and self.args.raise_errors:
+            raise exc
 
     def measure_throughput(self, method: str, cache: VarLenCache, n: int) -> None:
         """Decode tokens/s of the largest batch of copies of ``cache`` (one row) in ``--kv-budget-gib``
@@ -251,9 +256,7 @@ class Check:
                     status="ok",
                 )
             except Exception as exc:  # noqa: BLE001 - reported in the table
-                row["status"] = "OOM" if _is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:120]}"
-                if not _is_oom(exc) and self.args.raise_errors:
-                    raise
+                self.fail(row, exc)
             finally:
                 free(self.device)
                 self.throughput.append(row)

@@ -177,14 +177,7 @@ class ChunkedCompression:
             key, value, _ = self.first_chunk.pop(idx)
             return key.reshape(-1, key.shape[2], key.shape[3]), value.reshape(-1, value.shape[2], value.shape[3])
         layer, self.cache.store[idx] = self.cache.store[idx], None
-        if layer.uniform is not None or (layer.is_rectangular() and int(layer.capacity[0]) >= layer.max_length):
-            keys, values, _ = layer.padded_view()  # zero-copy views of the store
-            return keys, values
-        index, _ = layer.padded_index()
-        flat, dim = index.reshape(-1), layer.keys.shape[-1]
-        keys = torch.index_select(layer.keys, 0, flat).view(*index.shape, dim)
-        layer.keys = None  # the old keys leave before the values' copy exists (one buffer less at the peak)
-        values = torch.index_select(layer.values, 0, flat).view(*index.shape, dim)
+        keys, values, _ = layer.padded_view(release=True)  # a gathered copy: one old buffer less at the peak
         return keys, values
 
     def compress(self, seen: torch.Tensor) -> None:

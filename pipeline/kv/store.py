@@ -182,13 +182,13 @@ class VarLenLayer:
             new_start[1:] = torch.cumsum(new_capacity, 0)[:-1]
         total = int(new_capacity.sum())
         src, dst = self.live_index(), self.live_index(new_start)
+        step = max(4096, -(-src.numel() // 8))  # gathered temporaries of at most an eighth of a buffer
         # one buffer at a time: each old one goes before the next new one exists (keys before values)
         for name in ("keys", "values", "positions", *CAP_STATISTICS):
             old = getattr(self, name)
             if old is None:
                 continue
             new = old.new_full((total, *old.shape[1:]), -1 if name == "positions" else 0)
-            step = max(4096, -(-src.numel() // 8))  # gathered temporaries of at most an eighth of the buffer
             for at in range(0, src.numel(), step):
                 new[dst[at : at + step]] = old[src[at : at + step]]
             setattr(self, name, new)
@@ -300,11 +300,11 @@ class VarLenLayer:
         shape = (self.num_rows, self.num_heads, self.uniform_capacity, self.keys.shape[-1])
         return self.keys.view(shape)[:, :, : self.uniform], self.values.view(shape)[:, :, : self.uniform]
 
-    def padded_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def padded_view(self, release: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values (S, L, D) and positions (S, L) (-1 where no live entry).
 
-        Zero-copy when the layout is rectangular (uniform budgets); otherwise one gather.
-        """
+        Zero-copy when the layout is rectangular (uniform budgets); otherwise one gather, where
+        ``release`` (a layer about to be dropped) lets its keys go before the values' copy exists."""
         dim = self.keys.shape[-1]
         if self.uniform is not None:
             cap, length = self.uniform_capacity, self.uniform
@@ -322,6 +322,8 @@ class VarLenLayer:
         index, live = self.padded_index()
         flat = index.reshape(-1)  # index_select: several times faster than advanced indexing on CPU
         keys = torch.index_select(self.keys, 0, flat).view(*index.shape, dim)
+        if release:
+            self.keys = None
         values = torch.index_select(self.values, 0, flat).view(*index.shape, dim)
         pos = torch.index_select(self.positions, 0, flat).view(index.shape)
         return keys, values, torch.where(live, pos, torch.full_like(pos, -1))
