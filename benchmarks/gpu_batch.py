@@ -17,6 +17,7 @@ tokenizer, and decode throughput at a fixed KV memory budget.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 
 import torch
@@ -65,20 +66,33 @@ def sync(device: torch.device) -> None:
 
 
 def sm_clock_mhz(device: torch.device) -> int | None:
-    """The GPU's SM clock now (MHz, through NVML), None on CPU or without NVML. Read right after a
-    timed decode: a host-bound decode may run on a clocked-down GPU (``docs/results/gpu/README.md``)."""
+    """The GPU's SM clock now (MHz; NVML, else ``nvidia-smi``), None on CPU or where neither answers.
+    Read right after a timed decode: a host-bound decode may run on a clocked-down GPU
+    (``docs/results/gpu/README.md``)."""
     if device.type != "cuda":
         return None
     try:
         return int(torch.cuda.clock_rate(device))
-    except Exception:  # noqa: BLE001 - pynvml missing or the query refused: no figure
+    except Exception:  # noqa: BLE001 - pynvml missing or the query refused: ask nvidia-smi
+        pass
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    query = ["nvidia-smi", f"--id={index}", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]
+    try:
+        return int(subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.split()[0])
+    except Exception:  # noqa: BLE001 - no nvidia-smi or no figure in its answer
         return None
 
 
 @torch.inference_mode()
-def timed_decode_steps(model, cache: VarLenCache, start: int, steps: int, warmup: int) -> list[float]:
+def timed_decode_steps(
+    model, cache: VarLenCache, start: int, steps: int, warmup: int, host: list[float] | None = None
+) -> list[float]:
     """Seconds of ``steps`` greedy-shaped decode steps (token 42 in every row, positions ``start``,
-    ``start + 1``, ...) after ``warmup`` untimed ones; the device synchronised around each."""
+    ``start + 1``, ...) after ``warmup`` untimed ones; the device synchronised around each.
+
+    ``host``, when given, receives each timed step's host seconds: until the forward returned, before
+    the final synchronisation. Close to the step's seconds: the host bounds the step (launches, or a
+    synchronisation inside); far below them: the device does."""
     rows, device = cache.store[0].num_rows, cache.store[0].keys.device
     token, times = torch.full((rows, 1), 42, device=device), []
     for i in range(warmup + steps):
@@ -86,9 +100,12 @@ def timed_decode_steps(model, cache: VarLenCache, start: int, steps: int, warmup
         sync(device)
         t0 = time.perf_counter()
         run_chunk(model, cache, token, pos, logits_to_keep=1)
+        t_host = time.perf_counter()
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            if host is not None:
+                host.append(t_host - t0)
     return times
 
 
@@ -117,12 +134,14 @@ def measure_throughput(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    step_s = statistics.median(timed_decode_steps(model, batch, start, steps, warmup))
+    host: list[float] = []
+    step_s = statistics.median(timed_decode_steps(model, batch, start, steps, warmup, host))
     return {
         "batch": rows,
         "row_bytes": row_bytes,
         "kv_bytes": held,
         "step_ms": 1000.0 * step_s,
+        "host_ms": 1000.0 * statistics.median(host),
         "tokens_per_s": rows / step_s,
         "kernel": ",".join(sorted(batch.kernels_used)),
         "sm_mhz": sm_clock_mhz(device),

@@ -22,9 +22,9 @@ def markdown(result: dict) -> str:
         f"decode median of {info['decode_steps']} steps; total {info['elapsed_s']:.0f} s.",
         "",
         "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | "
-        "decode kernel | SM MHz after decode | kept KV MiB | kept / full KV | peak GiB prefill | peak GiB decode | "
-        "status |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
+        "host ms/token | decode kernel | SM MHz after decode | kept KV MiB | kept / full KV | peak GiB prefill | "
+        "peak GiB decode | status |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         snap = by.get((r["tokens"], "snapkv"), {})
@@ -45,6 +45,7 @@ def markdown(result: dict) -> str:
             _num(compress, ".3f"),
             _num(d, ".1f"),
             dratio,
+            _num(r.get("host_ms"), ".1f"),
             r.get("kernel") or "—",
             _num(r.get("sm_mhz"), "d"),
             _num(kept / 2**20 if kept else None, ".1f"),
@@ -69,9 +70,9 @@ def throughput_table(rows: list[dict]) -> list[str]:
         f"Decode throughput in {rows[0]['budget_gib']:g} GiB of KV (the largest batch of copies of one compressed "
         "document that fits; median step):",
         "",
-        "| tokens | method | forced kernel | batch | KV GiB held | ms/step | tokens/s | ÷ full | kernel | "
-        "SM MHz | peak GiB | status |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        "| tokens | method | forced kernel | batch | KV GiB held | ms/step | host ms/step | tokens/s | ÷ full | "
+        "kernel | SM MHz | peak GiB | status |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in rows:
         ref = full.get(r["tokens"], {})
@@ -84,6 +85,7 @@ def throughput_table(rows: list[dict]) -> list[str]:
             _num(r.get("batch"), "d"),
             _gib(r.get("kv_bytes")),
             _num(r.get("step_ms"), ".1f"),
+            _num(r.get("host_ms"), ".1f"),
             _num(tps, ".0f"),
             ratio,
             r.get("kernel") or "—",
