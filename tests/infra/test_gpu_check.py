@@ -108,3 +108,18 @@ def test_gpu_check_sh_smoke_without_tests(tmp_path):
     assert "compile probe: exit status 0" in proc.stdout and "| default | eager |" in proc.stdout
     for name in ("gpu_check.md", "gpu_check.json", "gpu_check.log", "compile_probe.md"):
         assert (tmp_path / name).is_file(), name
+
+
+def test_interleaved_decode_smoke_on_cpu(tmp_path):
+    from benchmarks import gpu_decode_ab
+
+    argv = ["--smoke", "--device", "cpu", "--batches", "1,2", "--rounds", "3", "--warmup", "1", "--out", str(tmp_path)]
+    assert gpu_decode_ab.main(argv) == 0
+    result = json.loads((tmp_path / "gpu_decode_ab.json").read_text())
+    rows = {(r["batch"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(b, m) for b in (1, 2) for m in gpu_decode_ab.DEFAULT_METHODS.split(",")}
+    for b in (1, 2):
+        full, kept = rows[(b, "none")], rows[(b, "criticalkv-snapkv")]
+        assert full["speedup"] == 1.0 and kept["ms"] > 0
+        assert kept["kv_bytes"] < 0.3 * full["kv_bytes"]  # 20 % of the entries, in a batch of b copies
+    assert rows[(2, "none")]["kv_bytes"] > 1.9 * rows[(1, "none")]["kv_bytes"]
