@@ -17,6 +17,10 @@ to each batch size (:func:`benchmarks.gpu_batch.batch_of`; the largest default, 
 full 32K caches of the 8B shape that fit 40 GiB). ``criticalkv-adakv-snapkv`` stands for a ragged
 cache (per-head budgets) without KVzip's 37 s of passes at 32K; its decode reads the store as the
 default's does.
+
+A method may force kernels after ``@``: ``criticalkv-snapkv@dense=grouped`` reads the uniform cache
+with grouped matmuls instead of SDPA, ``none@varlen=blocked,...`` (fields of
+:class:`pipeline.kv.varlen_kernels.KernelChoice`, joined by ``+``: ``@dense=grouped+varlen=sdpa``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from benchmarks.gpu_check import compression, free, prefill
 from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
+from pipeline.kv.varlen_kernels import KernelChoice
 
 DEFAULT_METHODS = "none,criticalkv-snapkv,criticalkv-adakv-snapkv"
 
@@ -71,21 +76,32 @@ def summarise(times: dict[str, list[float]], reference: str) -> dict[str, dict]:
     return out
 
 
+def parse_method(spec: str) -> tuple[str, KernelChoice | None]:
+    """``method[@field=kernel+field=kernel]`` -> the method and the kernels it is read with."""
+    method, _, forced = spec.partition("@")
+    if not forced:
+        return method, None
+    fields = dict(item.split("=", 1) for item in forced.split("+"))
+    return method, KernelChoice(**fields)
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(SMOKE if args.smoke else LLAMA_31_8B, device, dtype)
-    methods = [m for m in args.methods.split(",") if m]
+    specs = [m for m in args.methods.split(",") if m]
     ids = torch.randint(0, model.config.vocab_size, (1, args.length), device=device)
-    singles = {}
-    for m in methods:
-        _, cache = prefill(model, Compressor(compression(m, args.cache_size)), ids)
-        cache.reserve(args.rounds + args.warmup + 1)
-        singles[m] = cache
+    singles, forced = {}, {}
+    for spec in specs:
+        method, forced[spec] = parse_method(spec)
+        if method not in singles:
+            _, singles[method] = prefill(model, Compressor(compression(method, args.cache_size)), ids)
+            singles[method].reserve(args.rounds + args.warmup + 1)
     rows = []
     for b in [int(x) for x in args.batches.split(",") if x]:
-        caches = {m: batch_of(one, b) for m, one in singles.items()}  # copies: every batch starts alike
-        stats = summarise(interleaved_steps(model, caches, args.length, args.rounds, args.warmup), methods[0])
+        # copies: every batch starts alike
+        caches = {s: batch_of(singles[parse_method(s)[0]], b, forced[s]) for s in specs}
+        stats = summarise(interleaved_steps(model, caches, args.length, args.rounds, args.warmup), specs[0])
         for m, s in stats.items():
             kernel = ",".join(sorted(caches[m].kernels_used))
             rows.append({"batch": b, "method": m, "kv_bytes": int(caches[m].nbytes()), "kernel": kernel, **s})
