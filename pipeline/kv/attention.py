@@ -69,7 +69,9 @@ def grouped_decode_attention(
     query: (B, H_q, 1, D); keys/values: (B, H_kv, L, D), any strides along L (a store view).
     The G query heads of a KV group are one (G, D) matrix against that group's keys: two batched
     matmuls with an fp32 softmax between, instead of SDPA's per-query-head kernel (faster on CPU:
-    ``benchmarks/decode_paths.py`` measures whole decode steps, docs/BENCHMARKS.md has the figures).
+    ``benchmarks/decode_paths.py`` measures whole decode steps, docs/BENCHMARKS.md has the figures;
+    and on CUDA: ``benchmarks/gpu_decode_ab.py``, docs/results/gpu). The logits are rounded to the
+    cache's dtype before the fp32 softmax, as transformers' eager attention does.
     Returns (B, H_q, 1, D).
     """
     bsz, h_q, _, dim = query.shape

@@ -15,8 +15,8 @@ Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_ch
    single row's decode step the flat one; on CUDA flash-attn's varlen kernel, or without it the
    blocked kernel for decode steps and SDPA for longer chunks; the fp32
    reference when the decode cap needs probabilities). A decode step over a uniform, padding-free cache (uniform
-   budgets) skips all of that: it reads a zero-copy (B, H_kv, L, D) view of the store (grouped
-   matmuls on CPU, :func:`~pipeline.kv.attention.grouped_decode_attention`; SDPA on CUDA).
+   budgets) skips all of that: it reads a zero-copy (B, H_kv, L, D) view of the store with grouped
+   matmuls (:func:`~pipeline.kv.attention.grouped_decode_attention`, CPU and CUDA; SDPA if forced).
 3. Optional decode-time cap (``max_cache_tokens``, :mod:`pipeline.kv.decode_cap`).
 
 Public read-back: :meth:`kept_positions` gives the original positions held for (layer, row, head).
@@ -264,10 +264,10 @@ class VarLenCache(ChunkCache):
         dense = layer.dense_view() if query.shape[2] == 1 and kernel != "flash" and not track else None
         if dense is not None:
             # one new token per row over a uniform, padding-free cache: every held entry precedes
-            # it, so no mask is needed and the store is read in place (grouped matmuls on CPU unless
-            # SDPA is forced, SDPA's fused kernel on CUDA)
+            # it, so no mask is needed and the store is read in place (grouped matmuls unless SDPA
+            # is forced)
             keys, values = dense
-            if dense_decode_kernel(query, kernel, self.kernels.dense) == "sdpa":
+            if dense_decode_kernel(kernel, self.kernels.dense) == "sdpa":
                 out = F.scaled_dot_product_attention(
                     query, keys.to(query.dtype), values.to(query.dtype), scale=scaling, enable_gqa=True
                 )

@@ -279,6 +279,7 @@ def test_kernel_choice_on_cuda_without_flash_attn(monkeypatch):
         return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(2, 4, tokens, 8))
 
     assert choose_kernel(cuda_query(1), need_probs=False) == "blocked"
+    assert dense_decode_kernel(choose_kernel(cuda_query(1), need_probs=False)) == "grouped"  # a uniform cache
     assert choose_kernel(cuda_query(7), need_probs=False) == "sdpa"
     assert choose_kernel(cuda_query(1), need_probs=True) == "reference"
     monkeypatch.setattr(varlen_kernels, "flash_varlen_function", lambda: naive_flash_varlen)
@@ -288,9 +289,9 @@ def test_kernel_choice_on_cuda_without_flash_attn(monkeypatch):
 
 def test_dense_decode_kernel_choice():
     q = torch.zeros(1, 2, 1, 4)
-    assert dense_decode_kernel(q, choose_kernel(q, need_probs=False)) == "grouped"  # CPU default
-    assert dense_decode_kernel(q, choose_kernel(q, False, "sdpa")) == "sdpa"  # forced SDPA: the dense view too
-    assert dense_decode_kernel(q, "sdpa", forced="grouped") == "grouped"
+    assert dense_decode_kernel(choose_kernel(q, need_probs=False)) == "grouped"  # CPU default
+    assert dense_decode_kernel(choose_kernel(q, False, "sdpa")) == "sdpa"  # forced SDPA: the dense view too
+    assert dense_decode_kernel("sdpa", forced="grouped") == "grouped"
 
 
 def test_forced_kernels_are_read_once_when_a_cache_is_made(monkeypatch):
