@@ -8,14 +8,15 @@ new queries (the engine builds them, :mod:`pipeline.engine.reconstruction`), and
 * the pass's attention output: its queries over the whole context plus the pass's own keys
   (causal), as the model would attend; the pass's own K/V are used and dropped, never stored;
 * the score of the chunk's context entries, as KVzip defines it: a softmax over the row's sink
-  entries (the chat-template prefix), the chunk's context keys and the pass's own keys (causal), in
-  float32; each chunk entry scores the max of its attention weight over the pass's queries and the
+  entries (the chat-template prefix), the chunk's context keys and the pass's own keys (causal); each chunk entry scores the max of its attention weight over the pass's queries and the
   query heads of its KV group (``max`` with earlier passes' scores). With KVzip+ (kvpress's
   ``kvzip_plus_normalization``) each weight is first multiplied by ``||V_i W_O^h||_2 / ||h_j||_2``
   (the entry's projected value norm over the query's attention input norm).
 
 Queries are processed in blocks, so the scoring temporaries stay (block x (sink + chunk + pass))
-per head. Rows of a batch are left padded; a row whose context has no chunk in this pass takes part
+per head. The two matmuls run in the cache's dtype, as the model's own attention does (bf16 on a GPU:
+tensor cores; KVzip's reference scores in the model's dtype too, softmax included); the softmax, the
+weights and the scores are float32. A float32 model computes exactly what an all-float32 pass would. Rows of a batch are left padded; a row whose context has no chunk in this pass takes part
 as padding only.
 """
 
@@ -79,9 +80,10 @@ class ReconstructionCache(ChunkCache):
         ctx = self.context[idx]
         bsz, h_kv, n, dim = ctx.key.shape
         h_q, t = query.shape[1], query.shape[2]
-        keys = torch.cat([ctx.key, key.to(ctx.key.dtype)], dim=2).float()  # (B, H_kv, n + T, D)
-        values = torch.cat([ctx.value, value.to(ctx.value.dtype)], dim=2).float()
-        q = (query.float() * scaling).view(bsz, h_kv, h_q // h_kv, t, dim)  # group-major, scaled once
+        dtype = ctx.key.dtype  # the matmuls' (see the module docstring)
+        keys = torch.cat([ctx.key, key.to(dtype)], dim=2)  # (B, H_kv, n + T, D)
+        values = torch.cat([ctx.value, value.to(dtype)], dim=2)
+        q = (query.to(dtype) * scaling).view(bsz, h_kv, h_q // h_kv, t, dim)  # group-major, scaled once
         c_idx, c_ok = self.chunk
         self._own_padding = bool((self.chunk_pos < 0).any())
         ctx_hidden = (ctx.key_pos < 0)[:, None, None, None, :] if bool((ctx.key_pos < 0).any()) else None
@@ -92,7 +94,8 @@ class ReconstructionCache(ChunkCache):
             end = min(begin + _QUERY_BLOCK, t)
             probs = self._probs(q[:, :, :, begin:end], keys[:, :, : n + end], ctx_hidden, begin, n)
             rows = probs.reshape(bsz, h_kv, -1, n + end)  # (B, H_kv, G*Tb, n + end): one batched matmul per KV head
-            out[:, :, begin:end] = torch.matmul(rows, values[:, :, : n + end]).view(bsz, h_q, end - begin, dim)
+            pv = torch.matmul(rows.to(dtype), values[:, :, : n + end])
+            out[:, :, begin:end] = pv.view(bsz, h_q, end - begin, dim)
             chunk = self._chunk_weights(probs[..., :n], self.excluded, c_idx, self.columns)  # (B, H_kv, G, Tb, M)
             if weight is not None:
                 norms = self._hidden_norm(idx, slice(begin, end))[:, None, None, :, None]
@@ -107,10 +110,10 @@ class ReconstructionCache(ChunkCache):
 
     def _probs(self, q, keys, ctx_hidden, begin: int, n: int) -> torch.Tensor:
         """Softmax of a scaled query block (B, H_kv, G, Tb, D) over the context and the own keys up to
-        the block's end, float32 -> (B, H_kv, G, Tb, n + end)."""
+        the block's end -> float32 (B, H_kv, G, Tb, n + end); the logits' matmul in the keys' dtype."""
         bsz, h_kv, groups, tb, dim = q.shape
         rows = q.reshape(bsz, h_kv, groups * tb, dim)
-        logits = torch.matmul(rows, keys.transpose(-1, -2)).view(bsz, h_kv, groups, tb, -1)
+        logits = torch.matmul(rows, keys.transpose(-1, -2)).float().view(bsz, h_kv, groups, tb, -1)
         if ctx_hidden is not None:  # left-padded rows: their padding entries are no keys
             logits[..., :n].masked_fill_(ctx_hidden, torch.finfo(logits.dtype).min)
         end = logits.shape[-1] - n

@@ -195,3 +195,39 @@ def test_passes_on_tiny_model_match_full_forwards():
         torch.testing.assert_close(
             ours[layer][0, :, prefix:].double().cpu(), expected[layer][:, prefix:].double(), rtol=1e-3, atol=1e-6
         )
+
+
+def _pass_scores(dtype, case="padded-partial-chunks"):
+    """One pass of ``case`` with every tensor in ``dtype``: (scores (B, H_kv, n) float32, output)."""
+    lengths, sinks, starts, ends, own_padding = PASS_CASES[case]
+    bsz, n, t = len(lengths), 30, 7
+    ctx_k, ctx_v = _rand(bsz, H_KV, n, D, seed=1).to(dtype), _rand(bsz, H_KV, n, D, seed=2).to(dtype)
+    ctx_pos = torch.full((bsz, n), -1)
+    for b, length in enumerate(lengths):
+        ctx_pos[b, n - length :] = torch.arange(length)
+    q = (_rand(bsz, H_Q, t, D, seed=3) * 2).to(dtype)
+    own_k, own_v = _rand(bsz, H_KV, t, D, seed=4).to(dtype), _rand(bsz, H_KV, t, D, seed=5).to(dtype)
+    own_pos = torch.tensor(
+        [[-1] * pad + [length + i for i in range(t - pad)] for length, pad in zip(lengths, own_padding)]
+    )
+    module = SimpleNamespace(layer_idx=0, o_proj=SimpleNamespace(weight=_rand(HIDDEN, H_Q * D, seed=6).to(dtype)))
+    scores = [torch.zeros(bsz, H_KV, n)]
+    layer = PendingLayer(module, ctx_k, ctx_v, ctx_pos, D**-0.5, None)
+    cache = ReconstructionCache([layer], torch.tensor(starts), torch.tensor(ends), torch.tensor(sinks), scores)
+    cache.begin_chunk(own_pos)
+    out = cache.attend(module, q, own_k, own_v, D**-0.5)
+    return scores[0], out, own_pos >= 0
+
+
+def test_bfloat16_pass_scores_in_float32_close_to_an_all_float32_pass():
+    """A bf16 model's pass multiplies in bf16 (as its own attention and KVzip's reference do) but keeps
+    the softmax, weights and scores in float32: the scores stay float32 and within bf16 rounding of an
+    all-float32 pass on the same (bf16-representable) inputs, and so does the attention output."""
+    exact, exact_out, real = _pass_scores(torch.float32)
+    half, half_out, _ = _pass_scores(torch.bfloat16)
+    assert half.dtype == torch.float32 and half_out.dtype == torch.bfloat16
+    scored = exact > 0
+    assert bool(scored.any()) and bool((half[scored] > 0).all()) and bool((half[~scored] == 0).all())
+    torch.testing.assert_close(half[scored], exact[scored], rtol=4e-2, atol=1e-3)
+    for b in range(real.shape[0]):
+        torch.testing.assert_close(half_out[b][:, real[b]].float(), exact_out[b][:, real[b]], rtol=4e-2, atol=2e-2)
