@@ -248,3 +248,23 @@ def test_run_all_names_a_module_for_every_benchmark():
         assert module_exists(name), f"{name} -> {module_of(name)} is not a module file"
     assert module_of("vs_kvpress") == "benchmarks.kvpress.vs_kvpress"
     assert not module_exists("kvpress_side")
+
+
+def test_sweep_profile_finds_every_phase_on_a_tiny_engine():
+    from benchmarks import sweep_profile
+    from pipeline.engine.config import GenerationConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.types import Request
+    from pipeline.kv.config import CompressionConfig
+
+    settings = [CompressionConfig(method="none")]
+    settings += [CompressionConfig(method=m, cache_size=0.5, window=4) for m in ("snapkv", "kvzip")]
+    engine = Engine(tiny_loaded(), settings[0], GenerationConfig(max_new_tokens=4))
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    result = sweep_profile.profile_sweep(engine, [Request("a", text, ["Who jumps?"])], settings)
+    assert result["rows"] == 3
+    phases = result["phases"]
+    assert set(phases) == set(sweep_profile.PHASES) and all(s > 0 for s in phases.values()), phases
+    assert sum(phases.values()) < result["wall_s"]  # phases do not nest in each other
+    table = sweep_profile.markdown(result, 1, 3)
+    assert "| KVzip passes |" in table and "| everything else |" in table
