@@ -11,12 +11,15 @@
 #    none / snapkv / criticalkv-snapkv / criticalkv-adakv-snapkv / the default criticalkv-layer-kvzip /
 #    kvzip, decode full vs 20 % cache (uniform and ragged), kept KV bytes, peak memory, and decode
 #    tokens/s at the largest batch that fits 40 GiB of KV; Markdown tables. At most
-#    $GPU_CHECK_BENCH_BUDGET_S seconds (default 290; it starts no measurement in the last 45).
+#    $GPU_CHECK_BENCH_BUDGET_S seconds (default 260; it starts no measurement in the last 45).
 # 3. benchmarks/compile_probe.py: the same random 8B shape in bf16, transformers' static-cache decode
 #    step at 8K tokens, eager vs torch.compile(mode="reduce-overhead") (CUDA graphs); compile time and
-#    ms per step. Budget $GPU_CHECK_COMPILE_BUDGET_S (default 80; 0 skips it). With --smoke: the tiny
+#    ms per step. Budget $GPU_CHECK_COMPILE_BUDGET_S (default 70; 0 skips it). With --smoke: the tiny
 #    shape and the "eager" backend (tracing only), so CPU runs check the plumbing.
-# 4. The compression test suite (tests/kv) with CRITICALKV_TEST_DEVICE=cuda (cpu with --smoke on a
+# 4. benchmarks/gpu_decode_ab.py: decode steps of the full, a 20 % uniform and a 20 % ragged cache
+#    interleaved round by round (a host-bound step on a drifting host compares only that way) at the
+#    largest length, one row and nine. Budget $GPU_CHECK_AB_BUDGET_S (default 60; 0 skips it).
+# 5. The compression test suite (tests/kv) with CRITICALKV_TEST_DEVICE=cuda (cpu with --smoke on a
 #    machine without GPU), with pytest-xdist's $GPU_CHECK_TEST_WORKERS (default 4) workers where it
 #    is installed, in what is left of $GPU_CHECK_BUDGET_S (default 470; at least
 #    $GPU_CHECK_TEST_MIN_S, default 60). Last, so that a slow suite cannot cost the tables.
@@ -24,7 +27,7 @@
 # Options: --smoke (tiny sizes, CPU is fine), --skip-tests, --out DIR (log, table, JSON, test log),
 # anything else is passed to gpu_check.py. Environment: PYTHON (interpreter), the budgets above,
 # GPU_CHECK_WHEELS. Exit status: 0 when the tests passed (or were skipped on request) and the
-# benchmark and the compile probe ran.
+# benchmark, the compile probe and the interleaved decode ran.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,15 +43,16 @@ while [ $# -gt 0 ]; do
         --skip-tests) SKIP_TESTS=1 ;;
         --out) OUT="$2"; shift ;;
         --out=*) OUT="${1#--out=}" ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) PASS+=("$1") ;;
     esac
     shift
 done
 
 TOTAL_BUDGET="${GPU_CHECK_BUDGET_S:-470}"
-BENCH_LIMIT="${GPU_CHECK_BENCH_BUDGET_S:-290}"
-COMPILE_BUDGET="${GPU_CHECK_COMPILE_BUDGET_S:-80}"
+BENCH_LIMIT="${GPU_CHECK_BENCH_BUDGET_S:-260}"
+COMPILE_BUDGET="${GPU_CHECK_COMPILE_BUDGET_S:-70}"
+AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-60}"
 TEST_MIN="${GPU_CHECK_TEST_MIN_S:-60}"
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/wheels}"
 START=$SECONDS
@@ -152,7 +156,26 @@ if [ "$COMPILE_BUDGET" -gt 0 ]; then
     fi
 fi
 
-# ---- 4. compression tests on the device, with the time that is left ------------------------------------------------------
+# ---- 4. interleaved decode steps --------------------------------------------------------------
+AB_RC=0
+AB_SUMMARY="skipped (GPU_CHECK_AB_BUDGET_S=0)"
+if [ "$AB_BUDGET" -gt 0 ]; then
+    if [ "$SMOKE" = "1" ]; then
+        AB_ARGS=(--smoke --batches 1,2 --rounds 3 --warmup 1)
+    else
+        AB_ARGS=(--length 32768 --batches 1,9 --rounds 16)
+    fi
+    echo "== interleaved decode (at most ${AB_BUDGET}s): ${AB_ARGS[*]}"
+    timeout --signal=INT --kill-after=15 "$AB_BUDGET" "$PYTHON" -m benchmarks.gpu_decode_ab \
+        --device "$DEVICE" "${AB_ARGS[@]}" --out "${OUT:-/tmp}"
+    AB_RC=$?
+    AB_SUMMARY="exit status $AB_RC"
+    if [ "$AB_RC" = "124" ] || [ "$AB_RC" = "130" ]; then
+        AB_SUMMARY="timed out after ${AB_BUDGET}s"
+    fi
+fi
+
+# ---- 5. compression tests on the device, with the time that is left ------------------------------------------------------
 TEST_RC=0
 TEST_SUMMARY="skipped (--skip-tests)"
 if [ "$SKIP_TESTS" = "1" ]; then
@@ -179,8 +202,8 @@ fi
 
 echo
 echo "== tests/kv on $DEVICE: $TEST_SUMMARY"
-echo "== benchmark exit status: $BENCH_RC; compile probe: $COMPILE_SUMMARY; total $((SECONDS - START))s"
-if [ "$TEST_RC" != "0" ] || [ "$BENCH_RC" != "0" ] || [ "$COMPILE_RC" != "0" ]; then
+echo "== benchmark exit status: $BENCH_RC; compile probe: $COMPILE_SUMMARY; interleaved decode: $AB_SUMMARY; total $((SECONDS - START))s"
+if [ "$TEST_RC" != "0" ] || [ "$BENCH_RC" != "0" ] || [ "$COMPILE_RC" != "0" ] || [ "$AB_RC" != "0" ]; then
     exit 1
 fi
 exit 0

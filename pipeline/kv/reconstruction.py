@@ -8,16 +8,18 @@ new queries (the engine builds them, :mod:`pipeline.engine.reconstruction`), and
 * the pass's attention output: its queries over the whole context plus the pass's own keys
   (causal), as the model would attend; the pass's own K/V are used and dropped, never stored;
 * the score of the chunk's context entries, as KVzip defines it: a softmax over the row's sink
-  entries (the chat-template prefix), the chunk's context keys and the pass's own keys (causal); each chunk entry scores the max of its attention weight over the pass's queries and the
-  query heads of its KV group (``max`` with earlier passes' scores). With KVzip+ (kvpress's
+  entries (the chat-template prefix), the chunk's context keys and the pass's own keys (causal);
+  each chunk entry scores the max of its attention weight over the pass's queries and the query
+  heads of its KV group (``max`` with earlier passes' scores). With KVzip+ (kvpress's
   ``kvzip_plus_normalization``) each weight is first multiplied by ``||V_i W_O^h||_2 / ||h_j||_2``
   (the entry's projected value norm over the query's attention input norm).
 
 Queries are processed in blocks, so the scoring temporaries stay (block x (sink + chunk + pass))
 per head. The two matmuls run in the cache's dtype, as the model's own attention does (bf16 on a GPU:
 tensor cores; KVzip's reference scores in the model's dtype too, softmax included); the softmax, the
-weights and the scores are float32. A float32 model computes exactly what an all-float32 pass would. Rows of a batch are left padded; a row whose context has no chunk in this pass takes part
-as padding only.
+weights and the scores are float32. A float32 model computes exactly what an all-float32 pass
+would. Rows of a batch are left padded; a row whose context has no chunk in this pass takes part as
+padding only.
 """
 
 from __future__ import annotations

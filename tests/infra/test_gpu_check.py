@@ -106,7 +106,8 @@ def test_gpu_check_sh_smoke_without_tests(tmp_path):
     assert "| 96 | criticalkv-snapkv |" in proc.stdout
     assert "tests/kv on" in proc.stdout and "skipped (--skip-tests)" in proc.stdout
     assert "compile probe: exit status 0" in proc.stdout and "| default | eager |" in proc.stdout
-    for name in ("gpu_check.md", "gpu_check.json", "gpu_check.log", "compile_probe.md"):
+    assert "interleaved decode: exit status 0" in proc.stdout and "| 2 | criticalkv-snapkv |" in proc.stdout
+    for name in ("gpu_check.md", "gpu_check.json", "gpu_check.log", "compile_probe.md", "gpu_decode_ab.md"):
         assert (tmp_path / name).is_file(), name
 
 
