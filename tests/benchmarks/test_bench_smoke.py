@@ -268,3 +268,24 @@ def test_sweep_profile_finds_every_phase_on_a_tiny_engine():
     assert sum(phases.values()) < result["wall_s"]  # phases do not nest in each other
     table = sweep_profile.markdown(result, 1, 3)
     assert "| KVzip passes |" in table and "| everything else |" in table
+
+
+def test_decode_precision_compares_both_dense_kernels_on_a_tiny_model():
+    import copy
+
+    from benchmarks import decode_precision
+    from pipeline.kv.config import CompressionConfig
+
+    model = tiny_model("llama", layers=2)
+    model.set_attn_implementation(register())
+    models = {"float32": model, "bfloat16": copy.deepcopy(model).to(torch.bfloat16)}
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    result = decode_precision.compare_document(
+        models, ids, CompressionConfig(method="snapkv", cache_size=0.5, window=4), 3
+    )
+    assert set(result["kernels"]) == set(decode_precision.KERNELS)
+    assert result["kernels"]["grouped"]["kernels"] == ["dense-grouped"]
+    assert result["kernels"]["sdpa"]["kernels"] == ["dense-sdpa"]
+    for r in result["kernels"].values():
+        assert 0.0 <= r["top1"] <= 1.0 and 0.0 < r["max_abs"] < result["ref_scale"]
+    assert 0.0 < result["between"] < result["ref_scale"]  # bf16 kernels differ, by less than the logits' size
