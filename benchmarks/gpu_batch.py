@@ -60,6 +60,18 @@ def finish_passes(model, cache: VarLenCache, ids: torch.Tensor) -> float:
     return seconds
 
 
+def chunked_prefill(model, cache: VarLenCache, ids: torch.Tensor, chunk: int) -> None:
+    """The context ``ids`` (1, n) through the model ``chunk`` tokens at a time, the cache compressed
+    after each chunk, as the engine's chunked prefill drives it (:mod:`pipeline.kv.chunked`)."""
+    n, device = ids.shape[1], ids.device
+    cache.begin_chunked_prefill(torch.tensor([n], device=device))
+    for begin in range(0, n, chunk):
+        end = min(begin + chunk, n)
+        run_chunk(model, cache, ids[:, begin:end], torch.arange(begin, end, device=device)[None], logits_to_keep=1)
+        cache.compress_chunk(torch.tensor([end], device=device))
+    cache.end_chunked_prefill()
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

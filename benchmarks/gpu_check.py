@@ -12,7 +12,10 @@ read) and methods interleaved within each repeat (medians):
   ``criticalkv-adakv-snapkv`` (ragged per-head budgets: its decode reads the variable-length store
   through the varlen kernel, the uniform ones through a zero-copy dense view) / the jobs' default
   ``criticalkv-layer-kvzip`` and ``kvzip`` (both with KVzip's reconstruction passes,
-  :func:`benchmarks.gpu_batch.finish_passes`; ragged),
+  :func:`benchmarks.gpu_batch.finish_passes`; ragged) / the learned one-pass scorer
+  ``criticalkv-shares-kvzap`` (a random predictor of the model's shape) in one pass and with the
+  chunked prefill (``[chunked]``: ``--prefill-chunk`` tokens a chunk, default 4,096;
+  :func:`benchmarks.gpu_batch.chunked_prefill`),
   driven exactly like ``benchmarks/common.py`` drives it: ``VarLenCache`` + ``Compressor`` + the
   attention function from ``pipeline.kv.attention.register``; one ``Compressor`` per method reused
   across repeats, as an engine does;
@@ -52,15 +55,31 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_batch import finish_passes, measure_throughput, sm_clock_mhz, sync, timed_decode_steps
+from benchmarks.gpu_batch import (
+    chunked_prefill,
+    finish_passes,
+    measure_throughput,
+    sm_clock_mhz,
+    sync,
+    timed_decode_steps,
+)
 from benchmarks.gpu_check_report import markdown
-from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model
+from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model, compressor
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
-from pipeline.kv.config import CompressionConfig
 from pipeline.kv.varlen_kernels import KernelChoice
 
-METHODS = ("none", "snapkv", "criticalkv-snapkv", "criticalkv-adakv-snapkv", "criticalkv-layer-kvzip", "kvzip")
+CHUNKED = "criticalkv-shares-kvzap[chunked]"  # the learned scorer, chunked prefill (--prefill-chunk) with eviction
+METHODS = (
+    "none",
+    "snapkv",
+    "criticalkv-snapkv",
+    "criticalkv-adakv-snapkv",
+    "criticalkv-layer-kvzip",
+    "kvzip",
+    "criticalkv-shares-kvzap",
+    CHUNKED,
+)
 THROUGHPUT = {"none": (None,), "snapkv": (None,), "criticalkv-layer-kvzip": (None, "sdpa")}  # method: forced kernels
 
 
@@ -83,12 +102,6 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def compression(method: str, cache_size: float) -> CompressionConfig:
-    if method == "none":
-        return CompressionConfig(method="none")
-    return CompressionConfig(method=method, cache_size=cache_size)
-
-
 # ------------------------------------------------------------------ prefill / decode (as benchmarks/common.py)
 @torch.inference_mode()
 def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, VarLenCache]:
@@ -97,7 +110,10 @@ def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, Va
     pos = torch.arange(ids.shape[1], device=device)[None]
     sync(device)
     t0 = time.perf_counter()
-    run_chunk(model, cache, ids, pos, logits_to_keep=1)
+    if compressor.config.chunked:
+        chunked_prefill(model, cache, ids, compressor.config.prefill_chunk)
+    else:
+        run_chunk(model, cache, ids, pos, logits_to_keep=1)
     if cache.awaiting_reconstruction:  # KVzip: the passes, then every layer compressed
         finish_passes(model, cache, ids)
     sync(device)
@@ -139,7 +155,10 @@ class Check:
         self.model = build_model(self.shape, self.device, self.dtype)
         sync(self.device)
         self.init_s = time.monotonic() - t0
-        self.compressors = {m: Compressor(compression(m, args.cache_size)) for m in METHODS}
+        self.compressors = {
+            m: compressor(m.replace("[chunked]", f"[prefill_chunk={args.prefill_chunk}]"), args.cache_size, self.model)
+            for m in METHODS
+        }
         self.gen = torch.Generator(device=self.device).manual_seed(1)
         self.warnings: list[str] = []
         self.throughput: list[dict] = []  # rows of the batch table, filled by measure_cell
@@ -286,6 +305,7 @@ class Check:
             "init_s": self.init_s,
             "repeats": args.repeats,
             "decode_steps": args.decode_steps,
+            "prefill_chunk": args.prefill_chunk,
             "cache_size": args.cache_size,
             "elapsed_s": time.monotonic() - self.t_start,
             "flash_attn": _flash_attn_version(),
@@ -337,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lengths", default=None, help="comma-separated context lengths (default 8192,32768; smoke 256,512)"
     )
     p.add_argument("--cache-size", type=float, default=0.2, help="kept fraction of every compressed method")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=None, help="tokens per chunk of [chunked] (default 4096; smoke 128)"
+    )
     p.add_argument("--batch-lengths", default=None, help="lengths of --lengths with a throughput batch (default: all)")
     p.add_argument(
         "--kv-budget-gib", type=float, default=None, help="KV memory of the throughput batch (default 40; smoke 0.002)"
@@ -361,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     args.kv_budget_gib = args.kv_budget_gib or (0.002 if args.smoke else 40.0)
     args.repeats = args.repeats or (1 if args.smoke else 2)
     args.decode_steps = args.decode_steps or (4 if args.smoke else 32)
+    args.prefill_chunk = args.prefill_chunk or (128 if args.smoke else 4096)
     result = run(args)
     print(write(args.out, result), flush=True)
     bad = [r for r in result["rows"] if r["status"].startswith("error")]

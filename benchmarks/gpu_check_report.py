@@ -19,7 +19,8 @@ def markdown(result: dict) -> str:
         f"init {info['init_s']:.1f} s) "
         f"on {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), transformers {info.get('transformers')}, "
         f"flash-attn {info['flash_attn'] or 'not installed'}; medians of {info['repeats']} interleaved prefills, "
-        f"decode median of {info['decode_steps']} steps; total {info['elapsed_s']:.0f} s.",
+        f"decode median of {info['decode_steps']} steps; [chunked]: {info.get('prefill_chunk')}-token chunks; "
+        f"total {info['elapsed_s']:.0f} s.",
         "",
         "| tokens | method | cache | prefill s | prefill / snapkv | compress s | decode ms/token | decode / full | "
         "host ms/token | decode kernel | SM MHz after decode | kept KV MiB | kept / full KV | peak GiB prefill | "

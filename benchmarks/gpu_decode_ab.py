@@ -35,10 +35,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_batch import batch_of, sync
-from benchmarks.gpu_check import compression, free, prefill
-from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model
+from benchmarks.gpu_check import free, prefill
+from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model, compressor
 from pipeline.kv.cache import VarLenCache, run_chunk
-from pipeline.kv.compress import Compressor
 from pipeline.kv.varlen_kernels import KernelChoice
 
 DEFAULT_METHODS = "none,criticalkv-snapkv,criticalkv-adakv-snapkv"
@@ -95,7 +94,7 @@ def run(args) -> dict:
     for spec in specs:
         method, forced[spec] = parse_method(spec)
         if method not in singles:
-            _, singles[method] = prefill(model, Compressor(compression(method, args.cache_size)), ids)
+            _, singles[method] = prefill(model, compressor(method, args.cache_size, model), ids)
             singles[method].reserve(args.rounds + args.warmup + 1)
     rows = []
     for b in [int(x) for x in args.batches.split(",") if x]:

@@ -2,7 +2,8 @@
 
 Built on the meta device, materialised with ``to_empty`` and filled with N(0, 0.02) in place on the
 device: no weights are downloaded and initialisation takes seconds. Random weights make the numbers
-about cost, not quality. Used by ``benchmarks/gpu_check.py`` and ``benchmarks/compile_probe.py``.
+about cost, not quality. Used by ``benchmarks/gpu_check.py`` and ``benchmarks/compile_probe.py``,
+with the methods' compressors (:func:`compressor`; the learned scorer with a random predictor).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import contextlib
 import torch
 
 from pipeline.kv.attention import register
+from pipeline.kv.compress import Compressor
+from pipeline.kv.config import CompressionConfig
 
 LLAMA_31_8B = dict(
     hidden_size=4096,
@@ -74,3 +77,36 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
     model.eval()
     model.set_attn_implementation(register())
     return model
+
+
+def random_kvzap(config, device: torch.device, seed: int = 0):
+    """A KVzap predictor (linear, arXiv 2601.07891) with random weights for a model of ``config``'s
+    shape, and random per-(layer, KV head) shares (mean 1, as calibrated ones are; they make the
+    cache ragged, as a real one's do): what the learned scorer costs, not what it keeps (a real one
+    is calibrated per model, ``jobs/calibrate_kvzap.py``)."""
+    from pipeline.kv.kvzap_model import KVzapModel
+
+    layers, heads, hidden = config.num_hidden_layers, config.num_key_value_heads, config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(layers, heads, hidden, generator=gen) * hidden**-0.5
+    shares = torch.rand(3, layers, heads, generator=gen) + 0.5
+    shares = shares / shares.mean(dim=(1, 2), keepdim=True)
+    tensors = {"weight": weight, "bias": torch.zeros(layers, heads)}
+    return KVzapModel("linear", tensors, shares, torch.tensor([0.1, 0.4, 0.9])).to(device)
+
+
+def compression(method: str, cache_size: float) -> CompressionConfig:
+    """``method`` or ``method[prefill_chunk=N]`` at ``cache_size``."""
+    if method == "none":
+        return CompressionConfig(method="none")
+    name, _, knob = method.partition("[prefill_chunk=")
+    chunk = {"prefill_chunk": int(knob.rstrip("]"))} if knob else {}
+    return CompressionConfig(method=name, cache_size=cache_size, **chunk)
+
+
+def compressor(method: str, cache_size: float, model) -> Compressor:
+    """The method's compressor; the learned scorer gets a random predictor of the model's shape
+    (:func:`benchmarks.gpu_model.random_kvzap`: its cost, not its choices)."""
+    config = compression(method, cache_size)
+    kvzap = random_kvzap(model.config, model.device) if config.needs_kvzap_model else None
+    return Compressor(config, kvzap=kvzap)

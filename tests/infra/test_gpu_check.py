@@ -50,6 +50,8 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
         "criticalkv-adakv-snapkv",
         "criticalkv-layer-kvzip",
         "kvzip",
+        "criticalkv-shares-kvzap",
+        "criticalkv-shares-kvzap[chunked]",
         "none (again, last)",  # the first method once more: would order change its decode?
     ]
     batch_rows = [r.split("|")[2].strip() + "/" + r.split("|")[3].strip() for r in rows if r.count("|") <= 14]
@@ -62,6 +64,9 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
     assert all(r["decode_ms"] > 0 and r["prefill_median_s"] > 0 for r in result["rows"])
     assert all(0 < r["host_ms"] <= r["decode_ms"] for r in result["rows"])  # launch time, within the step
     assert by["none (again, last)"]["kept_bytes"] == by["none"]["kept_bytes"]
+    chunked, one_pass = by["criticalkv-shares-kvzap[chunked]"], by["criticalkv-shares-kvzap"]
+    assert result["info"]["prefill_chunk"] == 128 < 400  # four chunks, each compressed at the final budget
+    assert chunked["kept_bytes"] < 0.3 * chunked["full_bytes"] and one_pass["kept_bytes"] < 0.3 * one_pass["full_bytes"]
     assert by["snapkv"]["kernel"] == "dense-grouped"  # CPU: grouped matmuls over the uniform view
     assert by["criticalkv-adakv-snapkv"]["kernel"] == "flat"  # CPU, one small ragged row
     batch = {(r["method"], r["forced"]): r for r in result["throughput"]}
