@@ -76,9 +76,9 @@ METHODS = (
     "criticalkv-snapkv",
     "criticalkv-adakv-snapkv",
     "criticalkv-layer-kvzip",
-    "kvzip",
     "criticalkv-shares-kvzap",
     CHUNKED,
+    "kvzip",  # last: the default without CriticalKV, as slow; the first a short time budget skips
 )
 THROUGHPUT = {"none": (None,), "snapkv": (None,), "criticalkv-layer-kvzip": (None, "sdpa")}  # method: forced kernels
 

@@ -49,9 +49,9 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
         "criticalkv-snapkv",
         "criticalkv-adakv-snapkv",
         "criticalkv-layer-kvzip",
-        "kvzip",
         "criticalkv-shares-kvzap",
         "criticalkv-shares-kvzap[chunked]",
+        "kvzip",
         "none (again, last)",  # the first method once more: would order change its decode?
     ]
     batch_rows = [r.split("|")[2].strip() + "/" + r.split("|")[3].strip() for r in rows if r.count("|") <= 14]
