@@ -12,14 +12,14 @@
 #    kvzip / the learned criticalkv-shares-kvzap, one pass and chunked, decode full vs 20 % cache
 #    (uniform and ragged), kept KV bytes, peak memory, and decode
 #    tokens/s at the largest batch that fits 40 GiB of KV; Markdown tables. At most
-#    $GPU_CHECK_BENCH_BUDGET_S seconds (default 260; it starts no measurement in the last 45).
+#    $GPU_CHECK_BENCH_BUDGET_S seconds (default 235; it starts no measurement in the last 45).
 # 3. benchmarks/compile_probe.py: the same random 8B shape in bf16, transformers' static-cache decode
 #    step at 8K tokens, eager vs torch.compile(mode="reduce-overhead") (CUDA graphs); compile time and
 #    ms per step. Budget $GPU_CHECK_COMPILE_BUDGET_S (default 70; 0 skips it). With --smoke: the tiny
 #    shape and the "eager" backend (tracing only), so CPU runs check the plumbing.
 # 4. benchmarks/gpu_decode_ab.py: decode steps of the full, a 20 % uniform and a 20 % ragged cache
 #    interleaved round by round (a host-bound step on a drifting host compares only that way) at the
-#    largest length, one row and nine. Budget $GPU_CHECK_AB_BUDGET_S (default 60; 0 skips it).
+#    largest length, one row and nine. Budget $GPU_CHECK_AB_BUDGET_S (default 50; 0 skips it).
 # 5. The compression test suite (tests/kv) with CRITICALKV_TEST_DEVICE=cuda (cpu with --smoke on a
 #    machine without GPU), with pytest-xdist's $GPU_CHECK_TEST_WORKERS (default 4) workers where it
 #    is installed, in what is left of $GPU_CHECK_BUDGET_S (default 470; at least
@@ -51,9 +51,9 @@ while [ $# -gt 0 ]; do
 done
 
 TOTAL_BUDGET="${GPU_CHECK_BUDGET_S:-470}"
-BENCH_LIMIT="${GPU_CHECK_BENCH_BUDGET_S:-260}"
+BENCH_LIMIT="${GPU_CHECK_BENCH_BUDGET_S:-235}"
 COMPILE_BUDGET="${GPU_CHECK_COMPILE_BUDGET_S:-70}"
-AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-60}"
+AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-50}"
 TEST_MIN="${GPU_CHECK_TEST_MIN_S:-60}"
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/wheels}"
 START=$SECONDS
