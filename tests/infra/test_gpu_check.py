@@ -43,17 +43,11 @@ def test_gpu_check_smoke_table_on_cpu(tmp_path, capsys):
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| 400 |")]
     prefill_rows = [r.split("|")[2].strip() for r in rows if r.count("|") > 14]
-    assert prefill_rows == [
-        "none",
-        "snapkv",
-        "criticalkv-snapkv",
-        "criticalkv-adakv-snapkv",
-        "criticalkv-layer-kvzip",
-        "criticalkv-shares-kvzap",
-        "criticalkv-shares-kvzap[chunked]",
-        "kvzip",
-        "none (again, last)",  # the first method once more: would order change its decode?
-    ]
+    # every method in the check's order, then the first once more: would order change its decode?
+    assert prefill_rows == [*gpu_check.METHODS, "none (again, last)"]
+    assert {"criticalkv-layer-kvzip", "kvzip", "criticalkv-shares-kvzap", "criticalkv-shares-kvzap[chunked]"} < set(
+        prefill_rows
+    )
     batch_rows = [r.split("|")[2].strip() + "/" + r.split("|")[3].strip() for r in rows if r.count("|") <= 14]
     assert batch_rows == ["none/—", "snapkv/—", "criticalkv-layer-kvzip/—", "criticalkv-layer-kvzip/sdpa"]
     assert all(r.rstrip().endswith("| ok |") for r in rows), table
