@@ -96,28 +96,34 @@ def sm_clock_mhz(device: torch.device) -> int | None:
 
 
 @torch.inference_mode()
+def timed_step(model, cache: VarLenCache, position: int) -> tuple[float, float]:
+    """One greedy-shaped decode step (token 42 in every row, at ``position``), the device synchronised
+    around it: (seconds, host seconds). The host seconds end when the forward returns, before the final
+    synchronisation: close to the step's seconds, the host bounds the step (launches, or a
+    synchronisation inside); far below them, the device does."""
+    rows, device = cache.store[0].num_rows, cache.store[0].keys.device
+    token = torch.full((rows, 1), 42, device=device)
+    pos = torch.full((rows, 1), position, device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    run_chunk(model, cache, token, pos, logits_to_keep=1)
+    t_host = time.perf_counter()
+    sync(device)
+    return time.perf_counter() - t0, t_host - t0
+
+
 def timed_decode_steps(
     model, cache: VarLenCache, start: int, steps: int, warmup: int, host: list[float] | None = None
 ) -> list[float]:
-    """Seconds of ``steps`` greedy-shaped decode steps (token 42 in every row, positions ``start``,
-    ``start + 1``, ...) after ``warmup`` untimed ones; the device synchronised around each.
-
-    ``host``, when given, receives each timed step's host seconds: until the forward returned, before
-    the final synchronisation. Close to the step's seconds: the host bounds the step (launches, or a
-    synchronisation inside); far below them: the device does."""
-    rows, device = cache.store[0].num_rows, cache.store[0].keys.device
-    token, times = torch.full((rows, 1), 42, device=device), []
+    """Seconds of ``steps`` decode steps (:func:`timed_step`, positions ``start``, ``start + 1``, ...)
+    after ``warmup`` untimed ones; ``host``, when given, receives each timed step's host seconds."""
+    times = []
     for i in range(warmup + steps):
-        pos = torch.full((rows, 1), start + i, device=device)
-        sync(device)
-        t0 = time.perf_counter()
-        run_chunk(model, cache, token, pos, logits_to_keep=1)
-        t_host = time.perf_counter()
-        sync(device)
+        seconds, host_seconds = timed_step(model, cache, start + i)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds)
             if host is not None:
-                host.append(t_host - t0)
+                host.append(host_seconds)
     return times
 
 

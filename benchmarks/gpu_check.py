@@ -102,6 +102,11 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def chunk_of(method: str, prefill_chunk: int) -> int | None:
+    """``prefill_chunk`` for a ``[chunked]`` entry of ``METHODS``, else None (one pass)."""
+    return prefill_chunk if method.endswith("[chunked]") else None
+
+
 # ------------------------------------------------------------------ prefill / decode (as benchmarks/common.py)
 @torch.inference_mode()
 def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, VarLenCache]:
@@ -156,7 +161,7 @@ class Check:
         sync(self.device)
         self.init_s = time.monotonic() - t0
         self.compressors = {
-            m: compressor(m.replace("[chunked]", f"[prefill_chunk={args.prefill_chunk}]"), args.cache_size, self.model)
+            m: compressor(m.removesuffix("[chunked]"), args.cache_size, self.model, chunk_of(m, args.prefill_chunk))
             for m in METHODS
         }
         self.gen = torch.Generator(device=self.device).manual_seed(1)
@@ -195,18 +200,21 @@ class Check:
         ids = self.random_ids(n)
         if not self.over_budget():  # first prefill at a new length pays one-off costs (allocator, kernel choice)
             self.warm_up(f"snapkv at {n} tokens", lambda ids=ids: prefill(self.model, self.compressors["snapkv"], ids))
-        cache_label = f"{self.args.cache_size:.0%}"
-        cells = {
-            m: {
+        label = f"{self.args.cache_size:.0%}"
+
+        def cell(method: str, runs: str) -> dict:  # one table row: ``runs``' prefill (and decode) at n tokens
+            cache = "full" if runs == "none" else label
+            return {
                 "tokens": n,
-                "method": m,
-                "cache": "full" if m == "none" else cache_label,
+                "method": method,
+                "runs": runs,
+                "cache": cache,
                 "prefill_s": [],
                 "compress_s": [],
                 "status": "ok",
             }
-            for m in METHODS
-        }
+
+        cells = {m: cell(m, m) for m in METHODS}
         for r in range(self.args.repeats):
             for m in METHODS:
                 if cells[m]["status"] != "ok":
@@ -216,9 +224,7 @@ class Check:
                     continue
                 self.measure_cell(cells[m], ids, decode=r == 0)
         if not self.over_budget():  # the first method once more, after all the others: does order matter?
-            again = {k: cells[METHODS[0]][k] for k in ("tokens", "cache")}
-            again.update(method=f"{METHODS[0]} (again, last)", runs=METHODS[0], status="ok")
-            again.update(prefill_s=[], compress_s=[])
+            again = cell(f"{METHODS[0]} (again, last)", METHODS[0])
             self.measure_cell(again, ids, decode=True)
             cells[again["method"]] = again
         for c in cells.values():
@@ -237,7 +243,7 @@ class Check:
         try:
             free(device)
             reset_peak(device)
-            seconds, cache = prefill(self.model, self.compressors[c.get("runs", c["method"])], ids)
+            seconds, cache = prefill(self.model, self.compressors[c["runs"]], ids)
             c["prefill_s"].append(seconds)
             c["compress_s"].append(cache.compress_seconds)
             c["peak_prefill"] = max(c.get("peak_prefill") or 0, peak_bytes(device) or 0) or None

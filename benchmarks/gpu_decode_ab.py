@@ -29,40 +29,31 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_batch import batch_of, sync
+from benchmarks.gpu_batch import batch_of, timed_step
 from benchmarks.gpu_check import free, prefill
 from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model, compressor
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.cache import VarLenCache
 from pipeline.kv.varlen_kernels import KernelChoice
 
 DEFAULT_METHODS = "none,criticalkv-snapkv,criticalkv-adakv-snapkv"
 
 
-@torch.inference_mode()
 def interleaved_steps(model, caches: dict[str, VarLenCache], start: int, rounds: int, warmup: int) -> dict:
-    """``warmup + rounds`` rounds; each round one decode step of every cache in ``caches`` (the order
-    rotated by one each round), CUDA-synchronised around each step. Returns per method the timed
+    """``warmup + rounds`` rounds; each round one decode step (:func:`benchmarks.gpu_batch.timed_step`)
+    of every cache in ``caches``, the order rotated by one each round. Returns per method the timed
     steps' seconds (lists of ``rounds``)."""
     names = list(caches)
-    device = caches[names[0]].store[0].keys.device
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(warmup + rounds):
         for j in range(len(names)):
             name = names[(i + j) % len(names)]
-            rows = caches[name].store[0].num_rows
-            token = torch.full((rows, 1), 42, device=device)
-            pos = torch.full((rows, 1), start + i, device=device)
-            sync(device)
-            t0 = time.perf_counter()
-            run_chunk(model, caches[name], token, pos, logits_to_keep=1)
-            sync(device)
+            seconds, _ = timed_step(model, caches[name], start + i)
             if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
     return times
 
 

@@ -95,18 +95,16 @@ def random_kvzap(config, device: torch.device, seed: int = 0):
     return KVzapModel("linear", tensors, shares, torch.tensor([0.1, 0.4, 0.9])).to(device)
 
 
-def compression(method: str, cache_size: float) -> CompressionConfig:
-    """``method`` or ``method[prefill_chunk=N]`` at ``cache_size``."""
+def compression(method: str, cache_size: float, prefill_chunk: int | None = None) -> CompressionConfig:
+    """``method`` at ``cache_size`` (``none``: the full cache), chunked when ``prefill_chunk`` is given."""
     if method == "none":
         return CompressionConfig(method="none")
-    name, _, knob = method.partition("[prefill_chunk=")
-    chunk = {"prefill_chunk": int(knob.rstrip("]"))} if knob else {}
-    return CompressionConfig(method=name, cache_size=cache_size, **chunk)
+    return CompressionConfig(method=method, cache_size=cache_size, prefill_chunk=prefill_chunk)
 
 
-def compressor(method: str, cache_size: float, model) -> Compressor:
+def compressor(method: str, cache_size: float, model, prefill_chunk: int | None = None) -> Compressor:
     """The method's compressor; the learned scorer gets a random predictor of the model's shape
-    (:func:`benchmarks.gpu_model.random_kvzap`: its cost, not its choices)."""
-    config = compression(method, cache_size)
+    (:func:`random_kvzap`: its cost, not its choices)."""
+    config = compression(method, cache_size, prefill_chunk)
     kvzap = random_kvzap(model.config, model.device) if config.needs_kvzap_model else None
     return Compressor(config, kvzap=kvzap)
