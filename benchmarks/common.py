@@ -68,3 +68,13 @@ def decode_ms_per_token(model, cache: VarLenCache, start: int, steps: int, token
 
 def median(values) -> float:
     return statistics.median(values)
+
+
+# knobs of a benchmark's ``NAME[knob=value]`` entry that belong to the engine, not to the compression
+ENGINE_KNOBS = ("layerwise_prefill",)
+
+
+def split_engine_knobs(overrides: dict[str, str]) -> tuple[dict[str, int], dict[str, str]]:
+    """A variant's overrides split into the engine's (:data:`ENGINE_KNOBS`, as ints) and the compression's."""
+    engine = {k: int(v) for k, v in overrides.items() if k in ENGINE_KNOBS}
+    return engine, {k: v for k, v in overrides.items() if k not in ENGINE_KNOBS}

@@ -7,9 +7,9 @@ plain prefill, peak memory above the process' level before the prefill, and kept
                                       [--out benchmarks/results/method_costs.md]
 
 ``--repeats`` takes one count or one per length (``3,3,1``); a method may carry knob overrides as in
-the sweeps (``NAME[knob=value,...]``, e.g. a chunked prefill). The peak column reuses one process' heap
-(methods run one after another): for each method's own peak in a fresh process, use
-``benchmarks/prefill_memory.py``.
+the sweeps (``NAME[knob=value,...]``, e.g. a chunked prefill, or the engine's ``layerwise_prefill``).
+The peak column reuses one process' heap (methods run one after another): for each method's own peak
+in a fresh process, use ``benchmarks/prefill_memory.py``.
 
 SmolLM2 fp32 on CPU, the Engine's own path (``Engine.compress_context``: prefill, KVzip's
 reconstruction passes where the method needs them, compression into the variable-length cache).
@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from benchmarks.common import context_ids
+from benchmarks.common import context_ids, split_engine_knobs
 from benchmarks.roofline import PeakRSS, header, median, parse_ints, table
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
@@ -141,9 +142,10 @@ def main() -> None:
         chunk_feed_forward(loaded.model, int(sliced or slicings[0]))  # the shared model, as this label runs
         if label not in engines:
             name, overrides = parse_variant(method)
+            engine_knobs, overrides = split_engine_knobs(overrides)
             size = 1.0 if name == "none" else args.cache_size
             config = CompressionConfig.model_validate({"method": name, "cache_size": size, **overrides})
-            engines[label] = Engine(loaded, config, GenerationConfig(max_new_tokens=1))
+            engines[label] = Engine(replace(loaded, **engine_knobs), config, GenerationConfig(max_new_tokens=1))
         return engines[label]
 
     lines = [header(f"Prefill cost per method (SmolLM2 fp32, cache size {args.cache_size:g})")]

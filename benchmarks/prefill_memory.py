@@ -9,8 +9,8 @@ process' resident set (``/proc/self/statm``) every 0.2 ms. Forward pre-hooks on 
 and the LM head mark the timeline, so the report says in which layer (or stage) the peak fell.
 
 * **ours**: ``Engine.generate`` with ``--methods`` (``none`` = the full cache; ``NAME[knob=value,...]``
-  overrides knobs, e.g. a chunked prefill): context prefill into the variable-length cache, question,
-  greedy answer of ``--new-tokens`` tokens;
+  overrides knobs, e.g. a chunked prefill, or the engine's ``layerwise_prefill``): context prefill into
+  the variable-length cache, question, greedy answer of ``--new-tokens`` tokens;
 * **transformers**: the same model with SDPA attention and a ``DynamicCache``: ``model.model`` over
   the context, then the question and the same number of greedy steps. This is what kvpress's
   pipeline runs for a document without a press (its context prefill calls ``model.model`` with a
@@ -144,6 +144,7 @@ def measure(engine, side: str, n_tokens: int, new_tokens: int) -> dict:
 def worker(args) -> None:
     import torch
 
+    from benchmarks.common import split_engine_knobs
     from pipeline.engine.config import GenerationConfig, ModelConfig
     from pipeline.engine.engine import Engine
     from pipeline.eval.sweep import parse_variant
@@ -151,9 +152,10 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     method, overrides = parse_variant("none" if args.side == "transformers" else args.side)
+    engine_knobs, overrides = split_engine_knobs(overrides)
     sliced = 0 if args.side == "transformers" else args.feed_forward_chunk  # transformers: as it ships
     engine = Engine.from_config(
-        ModelConfig(name=args.model, feed_forward_chunk=sliced),
+        ModelConfig(name=args.model, feed_forward_chunk=sliced, **engine_knobs),
         CompressionConfig.model_validate({"method": method, "cache_size": args.cache_size, **overrides}),
         GenerationConfig(max_new_tokens=args.new_tokens, continuous=False),  # the path of the recorded figures
     )

@@ -57,6 +57,10 @@ def default_output(job: str) -> str:
     return str(Path("outputs") / f"{job}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
 
 
+# model options that change how the same values are computed, not what a row means
+_EXECUTION_ONLY_MODEL_FIELDS = {"cache_dir", "weight_layout", "feed_forward_chunk", "layerwise_prefill"}
+
+
 class BuiltInSamples(BaseModel):
     """The built-in sample documents a job answers when it is given no input (``make run``)."""
 
@@ -280,14 +284,15 @@ class JobConfig(CommandLineConfig):
     def identity(self) -> dict:
         """The settings that decide what a result row means; a resumed run must match them.
 
-        Resources, batching, the weights' memory order, the MLP's slicing and input location may change between runs
+        Resources, batching, the weights' memory order, the MLP's and the layerwise prefill's slicing (the same
+        kept entries, values equal up to float rounding) and input location may change between runs
         into the same output directory; the model, method, budgets, decoding limits and prompts may not.
         """
         return {
             "job": self.job,
             "instruction": self.instruction,
             "engine_factory": self.engine_factory,
-            "model": self.model.model_dump(mode="json", exclude={"cache_dir", "weight_layout", "feed_forward_chunk"}),
+            "model": self.model.model_dump(mode="json", exclude=_EXECUTION_ONLY_MODEL_FIELDS),
             "compression": self.compression.model_dump(mode="json"),
             "sweep": [c.model_dump(mode="json") for c in self.sweep],
             "generation": self.generation.model_dump(

@@ -12,6 +12,7 @@ import torch
 from .. import hooks
 from ..kv.cache import ChunkCache, VarLenCache, run_chunk
 from .batching import Row, left_pad
+from .layerwise import can_prefill_layerwise, layerwise_prefill, usable_slice
 
 
 @dataclass
@@ -82,8 +83,16 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 class Decoder:
     """Runs the chunks of one batch through ``model`` (which uses the registered varlen attention)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device, end_at_sentence: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        device: torch.device,
+        end_at_sentence: bool = False,
+        layer_slice: int = 0,
+    ) -> None:
         self.end_at_sentence = end_at_sentence
+        self.layer_slice = usable_slice(model, layer_slice)  # tokens per slice of a layerwise prefill (0: off)
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
@@ -95,11 +104,14 @@ class Decoder:
         return run_chunk(self.model, cache, ids, pos, logits_to_keep=1).logits[:, -1].float()
 
     def prefill(self, rows: list[Row], cache: ChunkCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded context prefill into ``cache`` -> (context lengths (B,), last logits (B, V))."""
+        """Left-padded context prefill into ``cache`` -> (context lengths (B,), last logits (B, V)); layer by
+        layer in slices (:mod:`pipeline.engine.layerwise`) where ``layer_slice`` asks for it and the cache allows."""
         hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache.kept_fraction)
         ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
         zeros = torch.zeros(len(rows), dtype=torch.long)
         ids, pos = left_pad([r.prompt.context_ids for r in rows], zeros, self.pad_id, self.device)
+        if can_prefill_layerwise(cache, ids.shape[1], self.layer_slice):
+            return ctx_len, layerwise_prefill(self.model, cache, ids, pos, self.layer_slice)
         return ctx_len, self.forward(cache, ids, pos)
 
     def prefill_chunked(self, rows: list[Row], cache: VarLenCache, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

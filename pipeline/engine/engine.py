@@ -96,7 +96,9 @@ class Engine:
             self.enable_oom_retry(oom_retry_cache_size)
         self.prompts = PromptBuilder(self.tokenizer, use_chat_template)
         self.model.set_attn_implementation(register_attention())
-        self.decoder = Decoder(self.model, self.tokenizer, self.device, self.generation.end_at_sentence)
+        self.decoder = Decoder(
+            self.model, self.tokenizer, self.device, self.generation.end_at_sentence, loaded.layerwise_prefill
+        )
         self.reconstruction = ContextReconstruction(self.model, self.prompts, self.decoder.pad_id, self.device)
 
     @classmethod

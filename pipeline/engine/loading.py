@@ -69,6 +69,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_s: float
+    layerwise_prefill: int = 0  # tokens per slice of a layer-by-layer context prefill (0: one forward)
 
 
 def default_cache_dir() -> Path:
@@ -220,4 +221,5 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.to(device).eval()
     apply_weight_layout(model, config.weight_layout)
     chunk_feed_forward(model, config.feed_forward_chunk)
-    return LoadedModel(model, tokenizer, config.name, device, dtype, time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    return LoadedModel(model, tokenizer, config.name, device, dtype, elapsed, config.layerwise_prefill)

@@ -61,6 +61,41 @@ def dense_prefill_attention(
     return out
 
 
+def slice_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pos: torch.Tensor, start: int, scaling: float
+) -> torch.Tensor:
+    """Causal attention of one slice of a left-padded prefill over the slice and everything before it.
+
+    query: (B, H_q, s, D), the queries of columns [start, start + s); key/value: (B, H_kv, start + s, D),
+    columns [0, start + s); key_pos: (B, start + s) (-1 = padding). Column j is visible to query column
+    i iff it is not padding and j <= i (a padding query sees itself only), as in
+    :func:`dense_prefill_attention`, which the first slice is. Later slices: one masked SDPA per KV head,
+    so only that head's keys are repeated for its query group. Returns (B, H_q, s, D).
+    """
+    if start == 0:
+        return dense_prefill_attention(query, key, value, key_pos, scaling)
+    bsz, h_q, s, _ = query.shape
+    h_kv, end = key.shape[1], key.shape[2]
+    q_idx = torch.arange(start, end, device=query.device)
+    k_idx = torch.arange(end, device=query.device)
+    mask = ((k_idx[None, :] <= q_idx[:, None])[None] & (key_pos >= 0)[:, None, :]) | (k_idx[None, :] == q_idx[:, None])[
+        None
+    ]  # (B, s, end)
+    group = h_q // h_kv
+    out = torch.empty_like(query)
+    for head in range(h_kv):
+        heads = slice(head * group, (head + 1) * group)
+        out[:, heads] = F.scaled_dot_product_attention(
+            query[:, heads],
+            key[:, head : head + 1],
+            value[:, head : head + 1],
+            attn_mask=mask[:, None],
+            scale=scaling,
+            enable_gqa=True,
+        )
+    return out
+
+
 def grouped_decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
 ) -> torch.Tensor:

@@ -24,7 +24,6 @@ Public read-back: :meth:`kept_positions` gives the original positions held for (
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -42,7 +41,9 @@ from .chunked import ChunkedCompression
 from .compress import Compressor, LayerSelection, PendingLayer
 from .decode_cap import DecodeCap
 from .phases import Phase
+from .sliced import LayerSlices
 from .store import VarLenLayer
+from .timing import BlockTimer
 from .varlen_kernels import (
     KernelChoice,
     blocked_attention,
@@ -121,24 +122,6 @@ class ChunkCache(Cache):
         raise NotImplementedError
 
 
-class _Timer:
-    """Wall time of a block, synchronising CUDA before and after."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.seconds = device, 0.0
-
-    def __enter__(self) -> _Timer:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds = time.perf_counter() - self.t0
-
-
 def run_chunk(model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs):
     """One forward of ``model`` over a chunk of tokens with ``cache`` (the only way the caches of this
     package are driven). input_ids, positions: (B, T), positions -1 on padding. The model must use the
@@ -176,6 +159,7 @@ class VarLenCache(ChunkCache):
         self.cap = DecodeCap(compressor) if compressor.config.max_cache_tokens is not None else None
         self.pending: list[PendingLayer | None] = [None] * num_layers  # phases after LAYER, until compressed
         self.chunked: ChunkedCompression | None = None  # during a chunked prefill (begin_chunked_prefill)
+        self.sliced: LayerSlices | None = None  # during a layer-by-layer prefill (begin_sliced_prefill)
 
     @classmethod
     def from_layers(
@@ -205,12 +189,12 @@ class VarLenCache(ChunkCache):
             raise ValueError("a chunked prefill cannot use the decode-time cap or a reconstruction scorer (kvzip)")
         if any(layer is not None for layer in self.store):
             raise RuntimeError("a chunked prefill starts from an empty cache")
-        self.chunked = ChunkedCompression(self, _Timer, lengths.to(torch.long))
+        self.chunked = ChunkedCompression(self, BlockTimer, lengths.to(torch.long))
 
     def compress_chunk(self, seen: torch.Tensor) -> None:
         """After a chunk's forward (``seen``: (B,) each row's tokens so far): compress every layer
         to the budget ``chunk_budget`` names."""
-        with _Timer(seen.device) as timer:
+        with BlockTimer(seen.device) as timer:
             self.chunked.compress(seen)
         self.compress_seconds += timer.seconds
 
@@ -218,7 +202,21 @@ class VarLenCache(ChunkCache):
         self.chunked = None
         self._finish_context()
 
+    # ------------------------------------------------------------------ layer-by-layer prefill
+    def begin_sliced_prefill(self, positions: torch.Tensor) -> LayerSlices:
+        """A layer-by-layer prefill of contexts at ``positions`` (B, T) (:mod:`pipeline.kv.sliced`) until
+        :meth:`end_sliced_prefill`; returns its state, through which the driver declares each slice."""
+        if any(layer is not None for layer in self.store) or self.chunked is not None:
+            raise RuntimeError("a layer-by-layer prefill starts from an empty cache")
+        self.sliced = LayerSlices(self, positions)
+        return self.sliced
+
+    def end_sliced_prefill(self) -> None:
+        self.sliced = None
+
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
+        if self.sliced is not None:
+            return self.sliced.update(key_states, value_states)
         layer = self.store[layer_idx]
         if layer is not None:
             if self.chunked is not None:  # exactly this chunk's slots, for this layer only (no slack)
@@ -243,6 +241,8 @@ class VarLenCache(ChunkCache):
             raise RuntimeError("VarLenCache is driven through run_chunk() (it declares the chunk's positions)")
         if self.chunked is not None:
             return self.chunked.attend(idx, module, query, key, value, scaling)
+        if self.sliced is not None:
+            return self.sliced.attend(idx, module, query, key, value, scaling)
         if self.pending[idx] is not None:
             raise RuntimeError(
                 "the context is not compressed yet: run the reconstruction passes and finish_compression()"
@@ -303,7 +303,7 @@ class VarLenCache(ChunkCache):
             if idx == self.num_layers - 1 and phase is Phase.PREFILL:
                 self.finish_compression()
             return
-        with _Timer(key.device) as timer:
+        with BlockTimer(key.device) as timer:
             selection = self.compressor.compress_observed(idx, module, observed, key, value, key_pos, scaling)
             self._store_layer(idx, selection, key, value, key_pos)
         self.compress_seconds += timer.seconds
@@ -324,7 +324,7 @@ class VarLenCache(ChunkCache):
         if observed is not None:
             for layer, obs in zip(self.pending, observed):
                 layer.observed = obs
-        with _Timer(self.pending[0].key.device) as timer:
+        with BlockTimer(self.pending[0].key.device) as timer:
             selections = self.compressor.compress_model(self.pending)
             for idx, (layer, selection) in enumerate(zip(self.pending, selections)):
                 self._store_layer(idx, selection, layer.key, layer.value, layer.key_pos)

@@ -129,6 +129,17 @@ class Compressor:
         inputs = LayerInputs(layer_idx, hidden, self.kvzap)
         return self.scorer.observe(query, key_pos, self.scorer_options, self.config.window, self.rotary, inputs=inputs)
 
+    @property
+    def observes_in_slices(self) -> bool:
+        """:meth:`observe` can run on consecutive slices of a layer's queries (:meth:`merge_observed`)."""
+        return self.scorer is None or self.scorer.observes_in_slices
+
+    def merge_observed(self, earlier: object, later: object) -> object:
+        """What :meth:`observe` gives for two consecutive query slices of one layer together."""
+        if self.scorer is None:
+            return None
+        return self.scorer.merge_observed(earlier, later, self.config.window, self.scorer_options)
+
     def compress_layer(self, layer_idx, module, query, key, value, key_pos, scaling, hidden=None) -> LayerSelection:
         """:meth:`observe` + :meth:`compress_observed`. query: (B, H_q, m, D) (the last m >=
         :attr:`observed_queries` prefill queries, or all of them); key/value: (B, H_kv, n, D)."""

@@ -128,6 +128,9 @@ class Scorer(Part):
 
     #: ``observe`` reads each layer's attention input (``LayerInputs.hidden``), recorded by the cache
     needs_hidden_states: ClassVar[bool] = False
+    #: ``observe`` can run on consecutive slices of a layer's queries, merged by :meth:`merge_observed`
+    #: (a layer-by-layer prefill, :mod:`pipeline.kv.sliced`)
+    observes_in_slices: ClassVar[bool] = True
 
     def observed_queries(self, window: int, options: BaseModel | None) -> int:
         """How many of the last prefill queries :meth:`observe` keeps (0: none); window: the
@@ -153,6 +156,12 @@ class Scorer(Part):
         """
         tail = self.observed_queries(window, options)
         return query[:, :, -tail:] if tail else None
+
+    def merge_observed(self, earlier: object, later: object, window: int, options: BaseModel | None) -> object:
+        """What :meth:`observe` returns for two consecutive slices of a layer's queries together, from
+        what it returned for each. Default: the last :meth:`observed_queries` queries of both."""
+        tail = self.observed_queries(window, options)
+        return torch.cat([earlier, later], dim=2)[:, :, -tail:] if tail else None
 
     def score(self, ctx: LayerContext, options: BaseModel | None) -> torch.Tensor:
         """(B, H_kv, n) float32 base scores; options: this scorer's knobs (:attr:`Part.options`)."""

@@ -86,6 +86,7 @@ class ExpectedAttention(Scorer):
     name = "expected_attention"
     options = ExpectedAttentionOptions
     summary = "expected attention of future queries from the context's query statistics (arXiv 2510.00636)"
+    observes_in_slices = False  # statistics over every query of the layer at once
 
     def observe(self, query, key_pos, options: ExpectedAttentionOptions, window, rotary=None, inputs=None):
         if rotary is None:

@@ -46,5 +46,8 @@ class KVzap(Scorer):
             raise ValueError("kvzap needs the layer's hidden states and a KVzap model (compression.kvzap_model)")
         return inputs.kvzap.predict(inputs.layer_idx, inputs.hidden)
 
+    def merge_observed(self, earlier, later, window, options) -> torch.Tensor:
+        return torch.cat([earlier, later], dim=-1)  # per-entry predictions (B, H_kv, n)
+
     def score(self, ctx: LayerContext, options: KVzapOptions) -> torch.Tensor:
         return kvzap_scores(ctx.observed, ctx.key_pos, ctx.row_window, options.sink_tokens)

@@ -1,0 +1,100 @@
+"""The layer-by-layer prefill's driver: every decoder layer runs over the whole context, a slice of
+tokens at a time, before the next layer starts (the cache side, and why: :mod:`pipeline.kv.sliced`).
+
+The model's own forward is replaced, for the context prefill only, by the same steps over its public
+modules: ``embed_tokens``, ``rotary_emb``, each decoder layer, ``norm`` and ``lm_head`` (on the last
+column only, as ``logits_to_keep=1`` does). That is exactly what the forward of the decoder-only
+families in :data:`LAYERWISE_MODEL_TYPES` computes; any other model (embedding scales, sliding-window
+layers, ...) is prefilled in one ordinary forward. Question chunks and decode steps always use the
+model's forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+
+import torch
+
+from ..kv.attention import cache_keyword, recorded_attention_inputs
+from ..kv.cache import ChunkCache, VarLenCache
+
+LOG = logging.getLogger(__name__)
+
+# model types whose forward is embed -> rotary -> decoder layers -> norm (checked in their transformers code)
+LAYERWISE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def layerwise_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot be prefilled layer by layer (None: it can)."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LAYERWISE_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {sorted(LAYERWISE_MODEL_TYPES)}"
+    inner = getattr(model, "model", None)
+    parts = ("embed_tokens", "rotary_emb", "layers", "norm")
+    if inner is None or not all(hasattr(inner, name) for name in parts) or not hasattr(model, "lm_head"):
+        return "the model lacks model.embed_tokens / rotary_emb / layers / norm or lm_head"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return "the model has sliding-window layers"
+    return None
+
+
+def usable_slice(model: torch.nn.Module, tokens: int) -> int:
+    """``tokens`` when ``model`` can be prefilled layer by layer, else 0 (with a warning)."""
+    if not tokens:
+        return 0
+    reason = layerwise_unsupported(model)
+    if reason is not None:
+        LOG.warning("layerwise_prefill=%d ignored, prefilling in one forward: %s", tokens, reason)
+        return 0
+    return tokens
+
+
+def can_prefill_layerwise(cache: ChunkCache, length: int, tokens: int) -> bool:
+    """A context of ``length`` columns goes layer by layer into ``cache`` at ``tokens`` per slice: the
+    cache is a compressing cache without the decode-time cap whose scorer observes slices, and the
+    context is longer than one slice."""
+    return (
+        0 < tokens < length
+        and isinstance(cache, VarLenCache)
+        and cache.cap is None
+        and cache.compressor.observes_in_slices
+    )
+
+
+@torch.inference_mode()
+def layerwise_prefill(
+    model: torch.nn.Module, cache: VarLenCache, ids: torch.Tensor, positions: torch.Tensor, tokens: int
+) -> torch.Tensor:
+    """Prefill ``ids`` (B, T), left padded, at ``positions`` (B, T) (-1 on padding) into the empty
+    ``cache``, layer by layer, ``tokens`` columns at a time. Returns the last column's logits (B, V)
+    float32. The hidden states (B, T, hidden) are one buffer that each slice's layer output overwrites:
+    a later slice of the same layer needs only the layer's K/V of the earlier ones, which the cache holds."""
+    inner = model.model
+    keyword = cache_keyword(inner.layers[0])
+    length = ids.shape[1]
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, position_ids=positions.clamp(min=0))
+    slices = cache.begin_sliced_prefill(positions)
+    recording = recorded_attention_inputs(model, cache.hidden_states) if cache.wants_hidden_states else nullcontext()
+    try:
+        with recording:
+            for layer in inner.layers[: model.config.num_hidden_layers]:
+                for start in range(0, length, tokens):
+                    end = min(length, start + tokens)
+                    slices.begin_slice(start, end)
+                    out = layer(
+                        hidden[:, start:end],
+                        attention_mask=None,
+                        position_ids=positions[:, start:end].clamp(min=0),
+                        position_embeddings=(cos[:, start:end], sin[:, start:end]),
+                        use_cache=True,
+                        varlen_cache=cache,
+                        **{keyword: cache},
+                    )
+                    hidden[:, start:end] = out[0] if isinstance(out, tuple) else out
+    finally:
+        cache.end_sliced_prefill()
+        cache.hidden_states.clear()
+    return model.lm_head(inner.norm(hidden[:, -1:]))[:, -1].float()

@@ -1,0 +1,56 @@
+"""``slice_attention`` (a slice of a layer-by-layer prefill) against a naive reference: per row, query
+and head, a softmax over the keys it may see, written out with loops (random tensors, batch 2, left
+padding, grouped-query heads)."""
+
+import pytest
+import torch
+
+from pipeline.kv.attention import dense_prefill_attention, slice_attention
+from tests.tiny import DEVICE
+
+
+def naive(query, key, value, key_pos, start, scaling):
+    """query (B, H_q, s, D) at columns [start, start + s); key/value (B, H_kv, start + s, D)."""
+    bsz, h_q, s, _ = query.shape
+    group = h_q // key.shape[1]
+    out = torch.zeros_like(query)
+    for b in range(bsz):
+        for i in range(s):
+            col = start + i
+            visible = [j for j in range(col + 1) if key_pos[b, j] >= 0 or j == col]
+            for h in range(h_q):
+                k, v = key[b, h // group, visible], value[b, h // group, visible]
+                weights = torch.softmax((k @ query[b, h, i]) * scaling, dim=0)
+                out[b, h, i] = weights @ v
+    return out
+
+
+def _inputs(length, padding, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(2, 6, length, 8, generator=g).to(DEVICE)
+    key = torch.randn(2, 2, length, 8, generator=g).to(DEVICE)
+    value = torch.randn(2, 2, length, 8, generator=g).to(DEVICE)
+    pos = torch.arange(length).repeat(2, 1)
+    pos[1, :padding] = -1
+    pos[1, padding:] -= padding
+    return query, key, value, pos.to(DEVICE)
+
+
+@pytest.mark.parametrize("start,end", [(0, 5), (5, 12), (12, 13), (13, 21)])
+def test_each_slice_matches_the_naive_reference(start, end):
+    query, key, value, pos = _inputs(21, padding=7)
+    got = slice_attention(query[:, :, start:end], key[:, :, :end], value[:, :, :end], pos[:, :end], start, 0.3)
+    want = naive(query[:, :, start:end], key[:, :, :end], value[:, :, :end], pos[:, :end], start, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding", [0, 9])
+def test_slices_together_are_the_one_pass_causal_attention(padding):
+    query, key, value, pos = _inputs(30, padding=padding, seed=1)
+    whole = dense_prefill_attention(query, key, value, pos, 0.25)
+    cuts = [0, 4, 11, 12, 30]
+    pieces = [
+        slice_attention(query[:, :, a:b], key[:, :, :b], value[:, :, :b], pos[:, :b], a, 0.25)
+        for a, b in zip(cuts, cuts[1:])
+    ]
+    torch.testing.assert_close(torch.cat(pieces, dim=2), whole, rtol=1e-5, atol=1e-5)
