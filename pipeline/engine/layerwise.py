@@ -70,12 +70,12 @@ def layerwise_prefill(
     """Prefill ``ids`` (B, T), left padded, at ``positions`` (B, T) (-1 on padding) into the empty
     ``cache``, layer by layer, ``tokens`` columns at a time. Returns the last column's logits (B, V)
     float32. The hidden states (B, T, hidden) are one buffer that each slice's layer output overwrites:
-    a later slice of the same layer needs only the layer's K/V of the earlier ones, which the cache holds."""
+    a later slice of the same layer needs only the layer's K/V of the earlier ones, which the cache holds.
+    RoPE's (cos, sin) are computed per slice (the same values; not held for the whole context)."""
     inner = model.model
     keyword = cache_keyword(inner.layers[0])
     length = ids.shape[1]
     hidden = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(hidden, position_ids=positions.clamp(min=0))
     slices = cache.begin_sliced_prefill(positions)
     recording = recorded_attention_inputs(model, cache.hidden_states) if cache.wants_hidden_states else nullcontext()
     try:
@@ -84,11 +84,12 @@ def layerwise_prefill(
                 for start in range(0, length, tokens):
                     end = min(length, start + tokens)
                     slices.begin_slice(start, end)
+                    piece, piece_pos = hidden[:, start:end], positions[:, start:end].clamp(min=0)
                     out = layer(
-                        hidden[:, start:end],
+                        piece,
                         attention_mask=None,
-                        position_ids=positions[:, start:end].clamp(min=0),
-                        position_embeddings=(cos[:, start:end], sin[:, start:end]),
+                        position_ids=piece_pos,
+                        position_embeddings=inner.rotary_emb(piece, position_ids=piece_pos),
                         use_cache=True,
                         varlen_cache=cache,
                         **{keyword: cache},
