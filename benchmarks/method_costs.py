@@ -59,17 +59,30 @@ DEFAULT_METHODS = (
 
 def forward_tokens(model, fn) -> tuple[object, list[int]]:
     """``fn()``'s result and the tokens of each forward through the decoder while it ran (the
-    prefill, then each reconstruction pass); a pre-hook on layer 0 only, microseconds per forward."""
+    prefill, then each reconstruction pass); pre-hooks on layers 0 and 1 only, microseconds per
+    forward. Layer 0 called again before layer 1 ran is the next slice of the same forward (a
+    layer-by-layer prefill), so its tokens add to that forward's."""
     seen: list[int] = []
-    layer = model.base_model.layers[0]
-    handle = layer.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.append(int(kwargs.get("hidden_states", args[0] if args else None).shape[1])),
-        with_kwargs=True,
-    )
+    state = {"sliced": False}  # layer 0 ran and layer 1 has not yet
+
+    def first(mod, args, kwargs):
+        tokens = int(kwargs.get("hidden_states", args[0] if args else None).shape[1])
+        if state["sliced"]:
+            seen[-1] += tokens
+        else:
+            seen.append(tokens)
+        state["sliced"] = True
+
+    layers = model.base_model.layers
+    handles = [
+        layers[0].register_forward_pre_hook(first, with_kwargs=True),
+        layers[1].register_forward_pre_hook(lambda *_: state.update(sliced=False), with_kwargs=True),
+    ]
     try:
         result = fn()
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     return result, seen
 
 

@@ -74,6 +74,10 @@ def slice_attention(
     """
     if start == 0:
         return dense_prefill_attention(query, key, value, key_pos, scaling)
+    if query.device.type == "cpu" and bool((key_pos >= 0).all()):
+        out = _earlier_then_own_columns(query, key, value, start, scaling)
+        if out is not None:
+            return out
     bsz, h_q, s, _ = query.shape
     h_kv, end = key.shape[1], key.shape[2]
     q_idx = torch.arange(start, end, device=query.device)
@@ -94,6 +98,29 @@ def slice_attention(
             enable_gqa=True,
         )
     return out
+
+
+def _earlier_then_own_columns(query, key, value, start: int, scaling: float) -> torch.Tensor | None:
+    """:func:`slice_attention` of an unpadded slice on CPU without a mask: the fused CPU flash kernel over
+    the earlier columns (all visible) and over the slice's own (causal), merged by the two log-sum-exps
+    the kernel returns (masked SDPA cannot skip blocks and adds the mask: 1.3x the time at 4K tokens).
+    The kernel is torch's own (``aten::_scaled_dot_product_flash_attention_for_cpu``, what SDPA calls
+    on CPU); None when this torch lacks it or refuses the inputs (the caller then masks)."""
+    if _FLASH_CPU is None:
+        return None
+    try:
+        out_a, lse_a = _FLASH_CPU(query, key[:, :, :start], value[:, :, :start], 0.0, False, scale=scaling)
+        out_b, lse_b = _FLASH_CPU(query, key[:, :, start:], value[:, :, start:], 0.0, True, scale=scaling)
+    except (RuntimeError, TypeError):
+        return None
+    top = torch.maximum(lse_a, lse_b)
+    weight_a, weight_b = (lse_a - top).exp_(), (lse_b - top).exp_()
+    total = weight_a + weight_b
+    merged = out_a.float().mul_((weight_a / total)[..., None]).add_(out_b.float() * (weight_b / total)[..., None])
+    return merged.to(query.dtype)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def grouped_decode_attention(

@@ -42,10 +42,11 @@ def _batch(rows):
     return ids, pos
 
 
-def _both(model, method, tokens, cache_size=0.3):
-    """(one-pass cache, its last logits), (layer-by-layer cache, its last logits) of the same rows."""
+def _both(model, method, tokens, cache_size=0.3, rows=None):
+    """(one-pass cache, its last logits), (layer-by-layer cache, its last logits) of the same rows
+    (default: two rows, the second left padded)."""
     model.set_attn_implementation(register())
-    rows = _rows(1)
+    rows = _rows(1) if rows is None else rows
     ids, pos = _batch(rows)
     layers = model.config.num_hidden_layers
     one = VarLenCache(layers, _compressor(model, method, cache_size))
@@ -71,6 +72,15 @@ def test_one_slice_as_long_as_the_context_is_the_one_pass_prefill(method):
     rows, (one, logits_one), (sliced, logits_sliced) = _both(model, method, tokens=64)
     assert _kept(sliced, model, rows) == _kept(one, model, rows)
     torch.testing.assert_close(logits_sliced, logits_one, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", [m for m in one_method_per_part() if m in SLICEABLE])
+def test_one_unpadded_row_keeps_the_one_pass_entries(method):
+    """Unpadded slices take the mask-free path on CPU (two fused calls merged by their log-sum-exps)."""
+    model = tiny_model("llama", seed=4)
+    rows, (one, logits_one), (sliced, logits_sliced) = _both(model, method, tokens=6, rows=_rows(3)[:1])
+    assert _kept(sliced, model, rows) == _kept(one, model, rows)
+    torch.testing.assert_close(logits_sliced, logits_one, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -1,6 +1,6 @@
 """``slice_attention`` (a slice of a layer-by-layer prefill) against a naive reference: per row, query
-and head, a softmax over the keys it may see, written out with loops (random tensors, batch 2, left
-padding, grouped-query heads)."""
+and head, a softmax over the keys it may see, written out with loops (random tensors, batch 2, with
+and without left padding, grouped-query heads; also in bfloat16 against the float32 reference)."""
 
 import pytest
 import torch
@@ -36,9 +36,10 @@ def _inputs(length, padding, seed=0):
     return query, key, value, pos.to(DEVICE)
 
 
+@pytest.mark.parametrize("padding", [0, 7])  # unpadded slices on CPU: two fused calls merged, no mask
 @pytest.mark.parametrize("start,end", [(0, 5), (5, 12), (12, 13), (13, 21)])
-def test_each_slice_matches_the_naive_reference(start, end):
-    query, key, value, pos = _inputs(21, padding=7)
+def test_each_slice_matches_the_naive_reference(start, end, padding):
+    query, key, value, pos = _inputs(21, padding=padding)
     got = slice_attention(query[:, :, start:end], key[:, :, :end], value[:, :, :end], pos[:, :end], start, 0.3)
     want = naive(query[:, :, start:end], key[:, :, :end], value[:, :, :end], pos[:, :end], start, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -54,3 +55,12 @@ def test_slices_together_are_the_one_pass_causal_attention(padding):
         for a, b in zip(cuts, cuts[1:])
     ]
     torch.testing.assert_close(torch.cat(pieces, dim=2), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_slices_stay_close_to_the_float32_reference():
+    query, key, value, pos = _inputs(24, padding=0, seed=2)
+    query, key, value = query.bfloat16(), key.bfloat16(), value.bfloat16()
+    got = slice_attention(query[:, :, 10:], key, value, pos, 10, 0.3)
+    assert got.dtype == torch.bfloat16
+    want = naive(query[:, :, 10:].float(), key.float(), value.float(), pos, 10, 0.3)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
