@@ -19,6 +19,9 @@ Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_ch
    matmuls (:func:`~pipeline.kv.attention.grouped_decode_attention`, CPU and CUDA; SDPA if forced).
 3. Optional decode-time cap (``max_cache_tokens``, :mod:`pipeline.kv.decode_cap`).
 
+The prefill may instead go chunk by chunk with eviction (:mod:`pipeline.kv.chunked`) or layer by layer
+in token slices with one pass's kept entries (:mod:`pipeline.kv.sliced`).
+
 Public read-back: :meth:`kept_positions` gives the original positions held for (layer, row, head).
 """
 

@@ -22,6 +22,7 @@ from pipeline.engine.layerwise import can_prefill_layerwise, layerwise_prefill, 
 from pipeline.engine.types import Request
 from pipeline.kv.attention import register
 from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.sliced import LayerSlices
 from tests.engine.test_engine import KVZAP_DIR, TEXT
@@ -126,6 +127,15 @@ def test_scorers_that_need_every_query_are_not_sliced():
         LayerSlices(cache, torch.zeros(1, 40, dtype=torch.long))
     assert can_prefill_layerwise(VarLenCache(2, _compressor(model, "snapkv", 0.3)), 40, 8)
     assert not can_prefill_layerwise(VarLenCache(2, _compressor(model, "snapkv", 0.3)), 8, 8)  # one slice
+
+
+def test_the_decode_time_cap_prefills_in_one_forward():
+    capped = VarLenCache(
+        2, Compressor(CompressionConfig(method="snapkv", cache_size=0.3, window=4, max_cache_tokens=16))
+    )
+    assert not can_prefill_layerwise(capped, 40, 8)
+    with pytest.raises(ValueError, match="decode-time cap"):
+        LayerSlices(capped, torch.zeros(1, 40, dtype=torch.long))
 
 
 def test_models_outside_the_supported_families_use_one_forward(caplog):
