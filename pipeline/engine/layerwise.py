@@ -18,6 +18,7 @@ import torch
 
 from ..kv.attention import cache_keyword, recorded_attention_inputs
 from ..kv.cache import ChunkCache, VarLenCache
+from ..kv.sliced import LayerSlices
 
 LOG = logging.getLogger(__name__)
 
@@ -53,14 +54,9 @@ def usable_slice(model: torch.nn.Module, tokens: int) -> int:
 
 def can_prefill_layerwise(cache: ChunkCache, length: int, tokens: int) -> bool:
     """A context of ``length`` columns goes layer by layer into ``cache`` at ``tokens`` per slice: the
-    cache is a compressing cache without the decode-time cap whose scorer observes slices, and the
-    context is longer than one slice."""
-    return (
-        0 < tokens < length
-        and isinstance(cache, VarLenCache)
-        and cache.cap is None
-        and cache.compressor.observes_in_slices
-    )
+    cache is a compressing cache that allows it (:meth:`LayerSlices.refusal`), and the context is
+    longer than one slice."""
+    return 0 < tokens < length and isinstance(cache, VarLenCache) and LayerSlices.refusal(cache) is None
 
 
 @torch.inference_mode()

@@ -69,8 +69,10 @@ def slice_attention(
     query: (B, H_q, s, D), the queries of columns [start, start + s); key/value: (B, H_kv, start + s, D),
     columns [0, start + s); key_pos: (B, start + s) (-1 = padding). Column j is visible to query column
     i iff it is not padding and j <= i (a padding query sees itself only), as in
-    :func:`dense_prefill_attention`, which the first slice is. Later slices: one masked SDPA per KV head,
-    so only that head's keys are repeated for its query group. Returns (B, H_q, s, D).
+    :func:`dense_prefill_attention`, which the first slice is. An unpadded slice on CPU: two fused calls
+    merged (:func:`_earlier_then_own_columns`). Otherwise one SDPA per KV head, so only that head's keys
+    are repeated for its query group, with one additive mask for all heads (a boolean one would be
+    converted by every call). Returns (B, H_q, s, D).
     """
     if start == 0:
         return dense_prefill_attention(query, key, value, key_pos, scaling)
@@ -82,9 +84,10 @@ def slice_attention(
     h_kv, end = key.shape[1], key.shape[2]
     q_idx = torch.arange(start, end, device=query.device)
     k_idx = torch.arange(end, device=query.device)
-    mask = ((k_idx[None, :] <= q_idx[:, None])[None] & (key_pos >= 0)[:, None, :]) | (k_idx[None, :] == q_idx[:, None])[
-        None
-    ]  # (B, s, end)
+    unseen = (k_idx[None, :] > q_idx[:, None])[None] | (key_pos < 0)[:, None, :]  # (B, s, end)
+    unseen &= (k_idx[None, :] != q_idx[:, None])[None]  # a padding query sees itself
+    mask = torch.zeros(unseen.shape, dtype=query.dtype, device=query.device).masked_fill_(unseen, float("-inf"))
+    del unseen
     group = h_q // h_kv
     out = torch.empty_like(query)
     for head in range(h_kv):

@@ -39,16 +39,24 @@ class LayerSlices:
     (-1 on left padding); the driver calls :meth:`begin_slice` before each slice's layer forward."""
 
     def __init__(self, cache: VarLenCache, positions: torch.Tensor) -> None:
-        if cache.cap is not None:
-            raise ValueError("a layer-by-layer prefill cannot use the decode-time cap")
-        if not cache.compressor.observes_in_slices:
-            raise ValueError(f"{cache.compressor.config.method!r} observes every query at once: prefill it in one pass")
+        reason = self.refusal(cache)
+        if reason is not None:
+            raise ValueError(reason)
         self.cache = cache
         self.positions = positions.to(torch.long)
         self.start = self.end = 0
         self.key: torch.Tensor | None = None  # (B, H_kv, T, D): the current layer's dense K/V so far
         self.value: torch.Tensor | None = None
         self.observed: object = None  # what the scorer observed of the current layer's slices so far
+
+    @staticmethod
+    def refusal(cache: VarLenCache) -> str | None:
+        """Why ``cache`` cannot be prefilled layer by layer (None: it can)."""
+        if cache.cap is not None:
+            return "a layer-by-layer prefill cannot use the decode-time cap"
+        if not cache.compressor.observes_in_slices:
+            return f"{cache.compressor.config.method!r} observes every query at once: prefill it in one pass"
+        return None
 
     @property
     def length(self) -> int:
