@@ -2,7 +2,8 @@
 
 Written by ``jobs/calibrate_kvzap.py`` (:mod:`pipeline.eval.kvzap_calibration`), read by the engine
 for methods whose parts need them (the ``kvzap`` scorer, the ``shares`` allocation). Tensors: those
-of :class:`~pipeline.kv.kvzap_model.KVzapModel` plus ``shares`` (S, L, H_kv) and ``share_sizes`` (S,).
+of :class:`~pipeline.kv.kvzap_model.KVzapModel` plus ``shares`` (S, L, H_kv) and ``share_sizes`` (S,), or
+shares per context length (N, S, L, H_kv) with ``share_lengths`` (N,).
 Metadata (strings): ``format``, ``kind``, ``model`` (the name it was calibrated with),
 ``fingerprint`` (JSON: the model's shape and a per-layer weight probe), ``fit`` (JSON: held-out fit
 quality per layer) and ``settings`` (JSON: how it was made).
@@ -68,6 +69,8 @@ def write_kvzap(path: str | Path, kvzap: KVzapModel, model_name: str, fingerprin
     tensors = {name: t.detach().float().contiguous().cpu() for name, t in kvzap.tensors.items()}
     tensors["shares"] = kvzap.shares.float().contiguous().cpu()
     tensors["share_sizes"] = kvzap.share_sizes.float().contiguous().cpu()
+    if kvzap.share_lengths is not None:
+        tensors["share_lengths"] = kvzap.share_lengths.float().contiguous().cpu()
     metadata = {
         "format": FORMAT,
         "kind": kvzap.kind,
@@ -108,9 +111,9 @@ def load_kvzap(path: str | Path, model: torch.nn.Module, model_name: str) -> KVz
         )
     with safe_open(str(path), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    shares, sizes = tensors.pop("shares"), tensors.pop("share_sizes")
+    shares, sizes, lengths = tensors.pop("shares"), tensors.pop("share_sizes"), tensors.pop("share_lengths", None)
     device = next(model.parameters()).device
-    return KVzapModel(meta["kind"], tensors, shares, sizes).to(device)
+    return KVzapModel(meta["kind"], tensors, shares, sizes, lengths).to(device)
 
 
 def shipped_kvzap(model_name: str) -> Path | None:

@@ -15,8 +15,10 @@ Per calibration document (:mod:`pipeline.eval.kvzap_data`), :func:`document_targ
 :func:`fit` then fits one predictor per layer on the training documents (``linear``: ridge
 regression in closed form; ``mlp``: D -> width -> GELU -> H_kv, AdamW on the squared error), and
 measures it on the held-out documents: R^2 of the log-scores, Spearman rank correlation per KV head
-(mean), and the overlap of the predicted and true top 20 % per head. Shares are the mean over every
-document. :func:`pipeline.engine.kvzap_file.write_kvzap` writes the result.
+(mean), and the overlap of the predicted and true top 20 % per head. Shares are the mean over the
+documents of each calibration length (one table per length; the report says how far held-out
+documents' own shares lie from them and from one table pooled over every length).
+:func:`pipeline.engine.kvzap_file.write_kvzap` writes the result.
 """
 
 from __future__ import annotations
@@ -182,13 +184,45 @@ def fit(
         if progress is not None:
             progress(f"layer {layer}: fitted on {x.shape[0]} entries")
     tensors = {name: torch.stack(ts) for name, ts in per_layer.items()}
-    shares = torch.stack([t.shares for t in train + held_out]).mean(0)
-    model = KVzapModel(kind, tensors, shares, torch.tensor(share_sizes, dtype=torch.float32))
+    shares, share_lengths = length_shares(train + held_out)
+    model = KVzapModel(kind, tensors, shares, torch.tensor(share_sizes, dtype=torch.float32), share_lengths)
     for layer in range(layers):
         report.append({"layer": layer, **_quality(model, held_out, layer)})
     kinds = sorted({t.kind for t in held_out})
     per_kind = {k: _mean_quality(model, [t for t in held_out if t.kind == k]) for k in kinds}
-    return model, {"layers": report, "mean": _mean_of(report), "per_kind": per_kind}
+    fit_report = {"layers": report, "mean": _mean_of(report), "per_kind": per_kind}
+    return model, {**fit_report, "shares_error": shares_error(train, held_out)}
+
+
+def length_shares(docs: list[DocumentTargets]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One shares table per calibration length, the mean over that length's documents:
+    (N, S, L, H_kv) and the lengths (N,) ascending."""
+    lengths = sorted({t.length for t in docs})
+    tables = [torch.stack([t.shares for t in docs if t.length == n]).mean(0) for n in lengths]
+    return torch.stack(tables), torch.tensor(lengths, dtype=torch.float32)
+
+
+def _relative_l1(shares: torch.Tensor, table: torch.Tensor) -> float:
+    """Mean over kept fractions of sum |shares - table| / sum shares; both (S, L, H_kv)."""
+    return float(((shares - table).abs().sum((1, 2)) / shares.sum((1, 2))).mean())
+
+
+def shares_error(train: list[DocumentTargets], held_out: list[DocumentTargets]) -> dict:
+    """How far each held-out document's own global top-k shares lie from the tables fitted on the
+    training documents, as the share of its budget that would go to other heads (relative L1, mean
+    over kept fractions and documents), per length: ``{"per_length": {n: e}, "pooled": {n: e}}``
+    (one table per length, as shipped, against one table over every length)."""
+    pooled = torch.stack([t.shares for t in train]).mean(0)
+    out: dict[str, dict[str, float]] = {"per_length": {}, "pooled": {}}
+    for n in sorted({t.length for t in held_out}):
+        own = [t.shares for t in train if t.length == n]
+        docs = [t for t in held_out if t.length == n]
+        if not own:
+            continue
+        table = torch.stack(own).mean(0)
+        out["per_length"][str(n)] = round(sum(_relative_l1(t.shares, table) for t in docs) / len(docs), 4)
+        out["pooled"][str(n)] = round(sum(_relative_l1(t.shares, pooled) for t in docs) / len(docs), 4)
+    return out
 
 
 def _quality(model: KVzapModel, docs: list[DocumentTargets], layer: int) -> dict:

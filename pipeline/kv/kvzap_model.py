@@ -12,7 +12,11 @@ reconstruction queries j and the query heads g of the KV group). Two kinds:
 ``shares`` (S, L, H_kv) are what a global top-k of the true scores over every layer and head (the
 ``layer`` allocation) gives each (layer, KV head) on calibration documents, as a multiple of the
 mean head budget, at the kept fractions ``share_sizes`` (S,); the ``shares`` allocation uses them
-to give cross-layer budgets while compressing each layer right after its attention. The file that
+to give cross-layer budgets while compressing each layer right after its attention. What the global
+top-k gives a head depends on the context's length as well as on the kept fraction (at 0.2 the
+shares of 4K-token documents differ from those of 512-token ones by a quarter of the budget), so a
+calibration over several lengths keeps one table per length: shares (N, S, L, H_kv) with
+``share_lengths`` (N,), interpolated in log length. The file that
 holds all of this is read and written by :mod:`pipeline.engine.kvzap_file`.
 """
 
@@ -40,12 +44,14 @@ class KVzapModelOptions(BaseModel):
 class KVzapModel:
     """Per-layer predictors and shares. weight: (L, H_kv, hidden), bias: (L, H_kv) (linear), or
     w1: (L, M, hidden), b1: (L, M), w2: (L, H_kv, M), b2: (L, H_kv) (mlp); shares: (S, L, H_kv)
-    float32 with mean 1 over (L, H_kv) at each size; share_sizes: (S,) ascending kept fractions."""
+    float32 with mean 1 over (L, H_kv) at each size, or (N, S, L, H_kv) with one table per context
+    length of ``share_lengths`` (N,) ascending tokens; share_sizes: (S,) ascending kept fractions."""
 
     kind: str
     tensors: dict[str, torch.Tensor]
     shares: torch.Tensor
     share_sizes: torch.Tensor
+    share_lengths: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -54,20 +60,36 @@ class KVzapModel:
         missing = [name for name in needed if name not in self.tensors]
         if missing:
             raise ValueError(f"KVzap {self.kind} model lacks tensors {missing}")
-        if self.shares.dim() != 3 or self.share_sizes.dim() != 1 or self.shares.shape[0] != self.share_sizes.numel():
-            raise ValueError("KVzap shares must be (S, L, H_kv) with one kept fraction per S")
+        tables = 3 if self.share_lengths is None else 4
+        if (
+            self.shares.dim() != tables
+            or self.share_sizes.dim() != 1
+            or self.shares.shape[-3] != self.share_sizes.numel()
+        ):
+            raise ValueError(
+                "KVzap shares must be (S, L, H_kv), or (N, S, L, H_kv) with N lengths, one kept fraction per S"
+            )
+        if self.share_lengths is not None:
+            lengths = self.share_lengths
+            if (
+                lengths.dim() != 1
+                or lengths.numel() != self.shares.shape[0]
+                or not bool((lengths[1:] > lengths[:-1]).all())
+            ):
+                raise ValueError("KVzap share_lengths must be (N,) ascending, one per shares table")
 
     @property
     def num_layers(self) -> int:
-        return self.shares.shape[1]
+        return self.shares.shape[-2]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.shares.shape[2]
+        return self.shares.shape[-1]
 
     def to(self, device: torch.device) -> KVzapModel:
         moved = {name: t.to(device) for name, t in self.tensors.items()}
-        return KVzapModel(self.kind, moved, self.shares.to(device), self.share_sizes.to(device))
+        lengths = None if self.share_lengths is None else self.share_lengths.to(device)
+        return KVzapModel(self.kind, moved, self.shares.to(device), self.share_sizes.to(device), lengths)
 
     def predict(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted log-scores of one layer's entries. hidden: (B, n, hidden) -> (B, H_kv, n) float32."""
@@ -80,15 +102,34 @@ class KVzapModel:
             out = torch.matmul(mid, t["w2"][layer_idx].T) + t["b2"][layer_idx]
         return out.transpose(1, 2)
 
-    def shares_at(self, fractions: torch.Tensor) -> torch.Tensor:
-        """Shares interpolated linearly at each row's kept fraction (clamped to the calibrated
-        range). fractions: (B,) -> (B, L, H_kv) float64."""
-        sizes = self.share_sizes.double().to(fractions.device)
+    def shares_at(self, fractions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Shares at each row's kept fraction and context length: linear in the fraction between
+        calibrated sizes, then linear in log length between calibrated lengths (both clamped to the
+        calibrated range). fractions, lengths: (B,) -> (B, L, H_kv) float64. ``lengths`` is needed
+        only when the file holds one table per length."""
         shares = self.shares.double().to(fractions.device)
-        f = fractions.double().clamp(float(sizes[0]), float(sizes[-1]))
-        upper = torch.searchsorted(sizes, f).clamp(1, max(sizes.numel() - 1, 1))
-        if sizes.numel() == 1:
-            return shares[0].expand(f.numel(), -1, -1).clone()
-        lo, hi = sizes[upper - 1], sizes[upper]
-        t = ((f - lo) / (hi - lo)).clamp(0.0, 1.0)[:, None, None]
-        return shares[upper - 1] * (1 - t) + shares[upper] * t
+        if self.share_lengths is None:
+            return _at_fraction(shares, self.share_sizes, fractions)
+        if lengths is None:
+            raise ValueError("these KVzap shares are calibrated per context length: pass the rows' lengths")
+        per_length = torch.stack([_at_fraction(table, self.share_sizes, fractions) for table in shares])  # (N, B, L, H)
+        return _interpolate(per_length, self.share_lengths.double().log(), lengths.double().clamp(min=1).log())
+
+
+def _at_fraction(shares: torch.Tensor, share_sizes: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
+    """shares: (S, L, H) float64 -> (B, L, H), linear in the kept fraction between ``share_sizes``."""
+    return _interpolate(shares[:, None], share_sizes.double(), fractions.double())
+
+
+def _interpolate(tables: torch.Tensor, at: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """tables: (K, B or 1, L, H) given at ascending points ``at`` (K,); x: (B,) -> (B, L, H), linear
+    between the two points around each x, clamped to the first / last table outside them."""
+    at, x = at.to(tables.device), x.to(tables.device)
+    rows = torch.arange(x.numel(), device=tables.device) % tables.shape[1]
+    if at.numel() == 1:
+        return tables[0, rows].clone()
+    x = x.clamp(float(at[0]), float(at[-1]))
+    upper = torch.searchsorted(at, x).clamp(1, at.numel() - 1)
+    lo, hi = at[upper - 1], at[upper]
+    t = ((x - lo) / (hi - lo)).clamp(0.0, 1.0)[:, None, None]
+    return tables[upper - 1, rows] * (1 - t) + tables[upper, rows] * t

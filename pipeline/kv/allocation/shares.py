@@ -4,8 +4,8 @@ arXiv 2505.23416; the ``layer`` allocation) without holding the dense cache.
 The ``layer`` allocation needs every layer's scores before any layer is compressed, so the dense
 cache of the whole prefill exists at once. Here the calibration (``jobs/calibrate_kvzap.py``)
 records what that global top-k gives each (layer, KV head) on average, as a share of the row's
-pool at a few kept fractions (:meth:`~pipeline.kv.kvzap_model.KVzapModel.shares_at` interpolates
-at the row's own fraction b / n). Each layer's counts then follow from the shares alone, right
+pool at a few kept fractions and context lengths (:meth:`~pipeline.kv.kvzap_model.KVzapModel.shares_at`
+interpolates at the row's own fraction b / n and length n). Each layer's counts then follow from the shares alone, right
 after its attention: the pool ``L * H * b`` is split as ``min(n, c * share_lh)`` with ``c`` chosen
 by water-filling (what a saturated head cannot use goes to the others), rounded down and raised to
 the window. The total kept stays at most ``L * H * b`` per row (plus the window floor of heads
@@ -47,5 +47,5 @@ class SharesAllocation(Allocation):
         if ctx.kvzap is None:
             raise ValueError("allocation 'shares' needs a KVzap model file (compression.kvzap_model)")
         fractions = ctx.row_budget.double() / ctx.lengths.clamp(min=1).double()
-        shares = ctx.kvzap.shares_at(fractions)
+        shares = ctx.kvzap.shares_at(fractions, ctx.lengths)
         return shares_head_budgets(shares, ctx.layer_idx, ctx.row_budget, ctx.row_window, ctx.lengths)
