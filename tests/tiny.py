@@ -95,8 +95,10 @@ def tiny_loaded(arch: str = "llama", seed: int = 0, chat: bool = True, **kw) -> 
     return LoadedModel(tiny_model(arch, seed, **kw), tiny_tokenizer(chat), f"tiny-{arch}", DEVICE, torch.float32, 0.0)
 
 
-def tiny_kvzap(num_layers: int, num_kv_heads: int, hidden: int, seed: int = 0, kind: str = "linear"):
-    """A random KVzap model (weights and shares at three kept fractions) for a model of this shape."""
+def tiny_kvzap(num_layers: int, num_kv_heads: int, hidden: int, seed: int = 0, kind: str = "linear", lengths=(8, 32)):
+    """A random KVzap model for a model of this shape: weights, and shares at three kept fractions,
+    one table per context length of ``lengths`` (as a calibration over several lengths writes them;
+    None: one table for every length)."""
     from pipeline.kv.kvzap_model import KVzapModel
 
     g = torch.Generator().manual_seed(seed)
@@ -113,13 +115,19 @@ def tiny_kvzap(num_layers: int, num_kv_heads: int, hidden: int, seed: int = 0, k
             "w2": torch.randn(num_layers, num_kv_heads, width, generator=g),
             "b2": torch.randn(num_layers, num_kv_heads, generator=g),
         }
-    shares = torch.rand(3, num_layers, num_kv_heads, generator=g) * 2 + 0.05
-    return KVzapModel(kind, tensors, shares / shares.mean(dim=(1, 2), keepdim=True), torch.tensor([0.1, 0.4, 0.9]))
+    tables = 1 if lengths is None else len(lengths)
+    shares = torch.rand(tables, 3, num_layers, num_kv_heads, generator=g) * 2 + 0.05
+    shares = shares / shares.mean(dim=(2, 3), keepdim=True)
+    sizes = torch.tensor([0.1, 0.4, 0.9])
+    if lengths is None:
+        return KVzapModel(kind, tensors, shares[0], sizes)
+    return KVzapModel(kind, tensors, shares, sizes, torch.tensor(lengths, dtype=torch.float32))
 
 
-def tiny_kvzap_for(model: torch.nn.Module, seed: int = 0, kind: str = "linear"):
+def tiny_kvzap_for(model: torch.nn.Module, seed: int = 0, kind: str = "linear", lengths=(8, 32)):
     cfg = model.config
-    return tiny_kvzap(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size, seed, kind).to(DEVICE)
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size)
+    return tiny_kvzap(*shape, seed, kind, lengths).to(DEVICE)
 
 
 def tiny_kvzap_file(loaded: LoadedModel, directory, seed: int = 0, kind: str = "linear"):

@@ -9,7 +9,15 @@ import torch
 from pipeline.engine.engine import Engine
 from pipeline.engine.kvzap_file import read_metadata
 from pipeline.engine.types import Request
-from pipeline.eval.kvzap_calibration import document_targets, fit, fit_quality, ridge
+from pipeline.eval.kvzap_calibration import (
+    DocumentTargets,
+    document_targets,
+    fit,
+    fit_quality,
+    length_shares,
+    ridge,
+    shares_error,
+)
 from pipeline.eval.kvzap_data import KINDS, calibration_documents
 from pipeline.kv.allocation.layer import layer_head_budgets
 from pipeline.kv.attention import recorded_attention_inputs
@@ -91,6 +99,25 @@ def test_fit_predicts_held_out_documents_of_a_tiny_model(kind):
     assert model.kind == kind and len(report["layers"]) == 2
     assert set(report["per_kind"]) == {t.kind for t in targets[6:]}
     assert report["mean"]["spearman"] > 0.3  # far better than chance on held-out documents
+    assert model.share_lengths.tolist() == [700.0]  # one calibration length: one table
+    assert set(report["shares_error"]["per_length"]) == {"700"}
+
+
+def _targets(length: int, shares: torch.Tensor) -> DocumentTargets:
+    empty = torch.zeros(1, 0)
+    return DocumentTargets(f"d{length}-{float(shares.sum())}", "ruler", length, empty, empty, shares, empty)
+
+
+def test_shares_are_one_mean_table_per_length_and_their_error_is_reported():
+    a, b = torch.full((1, 2, 2), 1.0), torch.tensor([[[2.0, 0.0], [1.0, 1.0]]])
+    docs = [_targets(512, a), _targets(512, a * 1.5 - 0.5), _targets(4096, b), _targets(4096, b)]
+    tables, lengths = length_shares(docs)
+    assert lengths.tolist() == [512.0, 4096.0]
+    torch.testing.assert_close(tables, torch.stack([a * 1.25 - 0.25, b]))
+    error = shares_error(docs[1:3] + docs[:1], [docs[3]])  # held out: one 4K document, its twin in training
+    assert error["per_length"] == {"4096": 0.0}
+    pooled = (a + a * 1.5 - 0.5 + b) / 3
+    assert error["pooled"]["4096"] == round(float((b - pooled).abs().sum() / b.sum()), 4)
 
 
 @pytest.mark.slow

@@ -257,13 +257,26 @@ def kvzap_reference(hidden, weight, bias, window, sinks):
     return out
 
 
-def shares_reference(sizes, shares, budget, window, length):
-    """Shares allocation for one row: interpolate the shares at budget / length, then split the pool
-    L * H * budget as min(length, c * share) (saturating the largest first), floor, raise to the window."""
-    f = min(max(budget / length, sizes[0]), sizes[-1])
-    i = next((k for k in range(1, len(sizes)) if sizes[k] >= f), len(sizes) - 1)
-    t = (f - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-    weights = [[(1 - t) * a + t * b for a, b in zip(ra, rb)] for ra, rb in zip(shares[i - 1], shares[i])]
+def _interpolated_table(points, tables, x):
+    """Linear interpolation of [L][H] tables given at ascending ``points``, clamped at the ends."""
+    if len(points) == 1:
+        return tables[0]
+    x = min(max(x, points[0]), points[-1])
+    i = next((k for k in range(1, len(points)) if points[k] >= x), len(points) - 1)
+    t = (x - points[i - 1]) / (points[i] - points[i - 1])
+    return [[(1 - t) * a + t * b for a, b in zip(ra, rb)] for ra, rb in zip(tables[i - 1], tables[i])]
+
+
+def shares_reference(sizes, shares, budget, window, length, share_lengths=None):
+    """Shares allocation for one row: interpolate the shares at budget / length (per calibrated
+    length, then in log length when ``share_lengths`` is given and shares is [N][S][L][H]), then
+    split the pool L * H * budget as min(length, c * share) (saturating the largest first), floor,
+    raise to the window."""
+    if share_lengths is None:
+        weights = _interpolated_table(sizes, shares, budget / length)
+    else:
+        per_length = [_interpolated_table(sizes, table, budget / length) for table in shares]
+        weights = _interpolated_table([math.log(n) for n in share_lengths], per_length, math.log(length))
     flat = [max(x, 0.0) for row in weights for x in row]
     total = budget * len(flat)
     capped: set[int] = set()
@@ -275,7 +288,7 @@ def shares_reference(sizes, shares, budget, window, length):
             break
         capped.add(max(over, key=lambda k: flat[k]))
     alloc = [length if k in capped else c * x for k, x in enumerate(flat)]
-    heads = len(shares[0][0])
+    heads = len(weights[0])
     counts = [min(max(math.floor(a + 1e-9), window), length) for a in alloc]
     return [counts[layer * heads : (layer + 1) * heads] for layer in range(len(weights))]
 
@@ -315,7 +328,8 @@ SCORER_REFERENCES = {
         [math.inf if j >= len(row) - min(w, len(row)) else row[j] for j in range(len(row))] for row in observed
     ],
 }
-# Allocations: (scores [L][H][n], budget, window, length, config, priors [L][H], shares=(sizes, [S][L][H]))
+# Allocations: (scores [L][H][n], budget, window, length, config, priors [L][H],
+# shares=(sizes, [S][L][H]) or (sizes, [N][S][L][H], lengths))
 # -> [L][H] counts.
 ALLOCATION_REFERENCES = {
     "uniform": lambda s, b, w, n, cfg, priors, **_: [[b] * len(layer) for layer in s],
@@ -324,7 +338,7 @@ ALLOCATION_REFERENCES = {
         headkv_reference(priors, i, b, w, n, cfg.alpha_safeguard) for i in range(len(s))
     ],
     "layer": lambda s, b, w, n, cfg, priors, **_: layer_reference(s, b),
-    "shares": lambda s, b, w, n, cfg, priors, shares=None: shares_reference(*shares, b, w, n),
+    "shares": lambda s, b, w, n, cfg, priors, shares=None: shares_reference(shares[0], shares[1], b, w, n, *shares[2:]),
 }
 # Selections: (scores [n], value (n, D), o_weight, kv_head, groups, head_dim, budget, window, config) -> kept indices.
 SELECTION_REFERENCES = {

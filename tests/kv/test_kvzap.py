@@ -75,7 +75,7 @@ def test_shares_keep_the_row_total_and_follow_the_shares():
         )
         pool = 4 * heads * round(0.25 * n)
         assert pool - 4 * heads <= int(counts.sum()) <= pool  # rounded down per head, never above the pool
-        shares = kvzap.shares_at(torch.tensor([round(0.25 * n) / n]))[0]
+        shares = kvzap.shares_at(torch.tensor([round(0.25 * n) / n]), torch.tensor([n]))[0]
         top, low = shares.flatten().argmax(), shares.flatten().argmin()
         assert counts.flatten()[top] >= counts.flatten()[low]
 
@@ -89,6 +89,43 @@ def test_shares_interpolate_between_calibrated_sizes():
     assert got[0].tolist() == [[1.0, 1.0], [1.0, 1.0]]  # clamped to the first size
     torch.testing.assert_close(got[1], torch.tensor([[1.5, 0.5], [1.0, 1.0]], dtype=torch.float64))
     assert got[2].tolist() == got[3].tolist() == [[2.0, 0.0], [1.0, 1.0]]
+
+
+def test_shares_interpolate_in_log_length_between_calibrated_lengths():
+    """Two lengths x two sizes: linear in the fraction within each length's table, then linear in
+    log length (the geometric mean of 100 and 400 tokens is half way), clamped at both ends."""
+    ones, skew = torch.ones(2, 2), torch.tensor([[3.0, 1.0], [0.0, 0.0]])
+    shares = torch.stack([torch.stack([ones, ones]), torch.stack([skew, ones])])  # (N=2, S=2, L=2, H=2)
+    weights = {"weight": torch.zeros(2, 2, 3), "bias": torch.zeros(2, 2)}
+    model = KVzapModel("linear", weights, shares, torch.tensor([0.1, 0.3]), torch.tensor([100.0, 400.0]))
+    fractions = torch.tensor([0.1, 0.1, 0.1, 0.2, 0.1])
+    got = model.shares_at(fractions, torch.tensor([50, 100, 200, 400, 9000]))
+    assert got[0].tolist() == got[1].tolist() == ones.tolist()  # at / below the first length
+    torch.testing.assert_close(got[2], ((ones + skew) / 2).double())  # log-midpoint of 100 and 400
+    torch.testing.assert_close(got[3], ((skew + ones) / 2).double())  # half way between the 400 table's sizes
+    assert got[4].tolist() == skew.tolist()  # clamped to the last length
+    with pytest.raises(ValueError, match="calibrated per context length"):
+        model.shares_at(fractions)
+    with pytest.raises(ValueError, match="share_lengths must be"):
+        KVzapModel("linear", weights, shares, torch.tensor([0.1, 0.3]), torch.tensor([400.0, 100.0]))
+
+
+def test_shares_allocation_matches_the_reference_with_one_table_or_per_length():
+    from pipeline.kv.allocation.shares import shares_head_budgets
+    from tests.kv.reference import shares_reference
+
+    for lengths in (None, (8, 32)):
+        kvzap = tiny_kvzap(3, 2, 16, seed=4, lengths=lengths)
+        rows = torch.tensor([40, 23, 11])
+        budget, window = torch.tensor([9, 5, 4]), torch.tensor([2, 2, 2])
+        shares = kvzap.shares_at(budget.double() / rows.double(), rows if lengths else None)
+        got = [shares_head_budgets(shares, layer, budget, window, rows) for layer in range(3)]
+        extra = () if lengths is None else (list(lengths),)
+        for b in range(3):
+            ref = shares_reference(
+                kvzap.share_sizes.tolist(), kvzap.shares.tolist(), int(budget[b]), 2, int(rows[b]), *extra
+            )
+            assert [g[b].tolist() for g in got] == ref
 
 
 def test_method_without_a_kvzap_model_is_refused():
@@ -105,6 +142,14 @@ def test_file_round_trip_and_refusal_of_another_model(tmp_path):
     assert back.kind == "mlp" and read_metadata(path)["fit"] == {"a": 1}
     h = torch.randn(1, 5, loaded.model.config.hidden_size, device=DEVICE)
     torch.testing.assert_close(back.predict(1, h), kvzap.predict(1, h))
+    assert back.share_lengths.tolist() == kvzap.share_lengths.tolist()
+    torch.testing.assert_close(back.shares, kvzap.shares)
+    single = tiny_kvzap_for(loaded.model, seed=2, lengths=None)  # a file with one shares table still loads
+    path1 = write_kvzap(tmp_path / "one.safetensors", single, loaded.name, model_fingerprint(loaded.model), {}, {})
+    back1 = load_kvzap(path1, loaded.model, loaded.name)
+    assert back1.share_lengths is None
+    fraction = torch.tensor([0.25])
+    torch.testing.assert_close(back1.shares_at(fraction), single.shares_at(fraction))
     other = tiny_loaded("llama", seed=9)  # same shape, other weights
     with pytest.raises(ValueError, match="calibrated for model 'tiny-llama'.*weights differ"):
         load_kvzap(path, other.model, "other-model")

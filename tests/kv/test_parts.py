@@ -157,7 +157,7 @@ def test_allocation_matches_reference(name):
     for b, length in enumerate(LENGTHS):
         budget, window = int(contexts[0].row_budget[b]), int(contexts[0].row_window[b])
         rows = [s[b, :, n - length :].tolist() for s in scores]
-        shares = (KVZAP.share_sizes.tolist(), KVZAP.shares.tolist())
+        shares = (KVZAP.share_sizes.tolist(), KVZAP.shares.tolist(), KVZAP.share_lengths.tolist())
         ref = ALLOCATION_REFERENCES[name](rows, budget, window, length, cfg, priors.tolist(), shares=shares)
         assert [g[b].tolist() for g in got] == ref
 
