@@ -47,6 +47,11 @@ class KVzapCalibrationJob(BaseModel):
     share_sizes: list[float] = Field(
         [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9], description="kept fractions at which the shares are calibrated"
     )
+    shares_by_length: bool = Field(
+        False,
+        description="one shares table per calibration length, interpolated in log length (4K RULER: better at "
+        "cache 0.1-0.2, worse at 0.4 with CriticalKV; docs/results/kvzap-calibration/README.md)",
+    )
     seed: int = Field(0, description="seed of the documents and of the sampled entries")
     actors: int = Field(1, ge=1, description="Ray actors computing targets (each holds the model)")
     cpus_per_actor: float = Field(2.0, gt=0, description="CPUs per actor")
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     train, held = _split(_collect(config, docs, log), config.validation, config.seed)
     model, report = fit(
         train, held, config.share_sizes, config.kind, config.alpha, config.mlp_width, config.mlp_epochs,
-        config.seed, progress=log,
+        config.seed, progress=log, shares_by_length=config.shares_by_length,
     )  # fmt: skip
     settings = config.model_dump(mode="json", exclude={"output", "ray_address", "actors"})
     settings.update(train_documents=len(train), held_out_documents=len(held), seconds=round(time.perf_counter() - t0))

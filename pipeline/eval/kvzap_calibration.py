@@ -15,9 +15,9 @@ Per calibration document (:mod:`pipeline.eval.kvzap_data`), :func:`document_targ
 :func:`fit` then fits one predictor per layer on the training documents (``linear``: ridge
 regression in closed form; ``mlp``: D -> width -> GELU -> H_kv, AdamW on the squared error), and
 measures it on the held-out documents: R^2 of the log-scores, Spearman rank correlation per KV head
-(mean), and the overlap of the predicted and true top 20 % per head. Shares are the mean over the
-documents of each calibration length (one table per length; the report says how far held-out
-documents' own shares lie from them and from one table pooled over every length).
+(mean), and the overlap of the predicted and true top 20 % per head. Shares are the mean over
+every document, or with ``shares_by_length`` over the documents of each calibration length (one
+table per length); the report says how far held-out documents' own shares lie from either.
 :func:`pipeline.engine.kvzap_file.write_kvzap` writes the result.
 """
 
@@ -166,9 +166,11 @@ def fit(
     mlp_epochs: int = 15,
     seed: int = 0,
     progress=None,
+    shares_by_length: bool = False,
 ) -> tuple[KVzapModel, dict]:
-    """The predictors of every layer and the shares, plus the held-out fit report
-    ``{"layers": [{layer, r2, spearman, top20_overlap}], "mean": {...}, "per_kind": {...}}``."""
+    """The predictors of every layer and the shares (one table, or one per calibration length with
+    ``shares_by_length``), plus the held-out fit report ``{"layers": [{layer, r2, spearman,
+    top20_overlap}], "mean": {...}, "per_kind": {...}, "shares_error": {...}}``."""
     layers = train[0].hidden.shape[0]
     per_layer: dict[str, list[torch.Tensor]] = {}
     report = []
@@ -184,8 +186,12 @@ def fit(
         if progress is not None:
             progress(f"layer {layer}: fitted on {x.shape[0]} entries")
     tensors = {name: torch.stack(ts) for name, ts in per_layer.items()}
-    shares, share_lengths = length_shares(train + held_out)
-    model = KVzapModel(kind, tensors, shares, torch.tensor(share_sizes, dtype=torch.float32), share_lengths)
+    sizes = torch.tensor(share_sizes, dtype=torch.float32)
+    if shares_by_length:
+        tables, lengths = length_shares(train + held_out)
+        model = KVzapModel(kind, tensors, tables, sizes, lengths)
+    else:
+        model = KVzapModel(kind, tensors, torch.stack([t.shares for t in train + held_out]).mean(0), sizes)
     for layer in range(layers):
         report.append({"layer": layer, **_quality(model, held_out, layer)})
     kinds = sorted({t.kind for t in held_out})

@@ -99,8 +99,11 @@ def test_fit_predicts_held_out_documents_of_a_tiny_model(kind):
     assert model.kind == kind and len(report["layers"]) == 2
     assert set(report["per_kind"]) == {t.kind for t in targets[6:]}
     assert report["mean"]["spearman"] > 0.3  # far better than chance on held-out documents
-    assert model.share_lengths.tolist() == [700.0]  # one calibration length: one table
+    assert model.share_lengths is None and model.shares.shape == (2, 2, engine.shape.num_kv_heads)
     assert set(report["shares_error"]["per_length"]) == {"700"}
+    by_length, _ = fit(targets[:6], targets[6:], [0.2, 0.4], kind, mlp_epochs=1, shares_by_length=True)
+    assert by_length.share_lengths.tolist() == [700.0]  # one calibration length: one table
+    torch.testing.assert_close(by_length.shares[0], model.shares)
 
 
 def _targets(length: int, shares: torch.Tensor) -> DocumentTargets:
