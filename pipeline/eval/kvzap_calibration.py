@@ -217,7 +217,7 @@ def shares_error(train: list[DocumentTargets], held_out: list[DocumentTargets]) 
     """How far each held-out document's own global top-k shares lie from the tables fitted on the
     training documents, as the share of its budget that would go to other heads (relative L1, mean
     over kept fractions and documents), per length: ``{"per_length": {n: e}, "pooled": {n: e}}``
-    (one table per length, as shipped, against one table over every length)."""
+    (one table per length, ``shares_by_length``, against one table over every length)."""
     pooled = torch.stack([t.shares for t in train]).mean(0)
     out: dict[str, dict[str, float]] = {"per_length": {}, "pooled": {}}
     for n in sorted({t.length for t in held_out}):

@@ -15,9 +15,9 @@ mean head budget, at the kept fractions ``share_sizes`` (S,); the ``shares`` all
 to give cross-layer budgets while compressing each layer right after its attention. What the global
 top-k gives a head depends on the context's length as well as on the kept fraction (at 0.2 the
 shares of 4K-token documents differ from those of 512-token ones by a quarter of the budget), so a
-calibration over several lengths keeps one table per length: shares (N, S, L, H_kv) with
-``share_lengths`` (N,), interpolated in log length. The file that
-holds all of this is read and written by :mod:`pipeline.engine.kvzap_file`.
+calibration over several lengths may keep one table per length (``--shares-by-length``): shares
+(N, S, L, H_kv) with ``share_lengths`` (N,), interpolated in log length. The file that holds all of
+this is read and written by :mod:`pipeline.engine.kvzap_file`.
 """
 
 from __future__ import annotations

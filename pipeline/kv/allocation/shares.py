@@ -4,12 +4,13 @@ arXiv 2505.23416; the ``layer`` allocation) without holding the dense cache.
 The ``layer`` allocation needs every layer's scores before any layer is compressed, so the dense
 cache of the whole prefill exists at once. Here the calibration (``jobs/calibrate_kvzap.py``)
 records what that global top-k gives each (layer, KV head) on average, as a share of the row's
-pool at a few kept fractions and context lengths (:meth:`~pipeline.kv.kvzap_model.KVzapModel.shares_at`
-interpolates at the row's own fraction b / n and length n). Each layer's counts then follow from the shares alone, right
-after its attention: the pool ``L * H * b`` is split as ``min(n, c * share_lh)`` with ``c`` chosen
-by water-filling (what a saturated head cannot use goes to the others), rounded down and raised to
-the window. The total kept stays at most ``L * H * b`` per row (plus the window floor of heads
-whose share is below it). Scorer-agnostic; the shares ship in the KVzap file.
+pool at a few kept fractions, optionally per context length
+(:meth:`~pipeline.kv.kvzap_model.KVzapModel.shares_at` interpolates at the row's own fraction b / n
+and length n). Each layer's counts then follow from the shares alone, right after its attention:
+the pool ``L * H * b`` is split as ``min(n, c * share_lh)`` with ``c`` chosen by water-filling (what
+a saturated head cannot use goes to the others), rounded down and raised to the window. The total
+kept stays at most ``L * H * b`` per row (plus the window floor of heads whose share is below it).
+Scorer-agnostic; the shares ship in the KVzap file.
 """
 
 from __future__ import annotations
