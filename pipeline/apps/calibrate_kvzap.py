@@ -141,5 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         f"held-out fit over {len(held)} documents: R2 {mean['r2']:.3f}, Spearman {mean['spearman']:.3f}, "
         f"top-20% overlap {mean['top20_overlap']:.3f} (mean of {len(report['layers'])} layers)"
     )
+    error = report["shares_error"]
+    if error["pooled"]:
+        table = "per length" if config.shares_by_length else "pooled; --shares-by-length writes per length"
+        by_length = ", ".join(f"{n}: {error['per_length'][n]:.2f} / {error['pooled'][n]:.2f}" for n in error["pooled"])
+        print(f"held-out shares error by length, per-length / pooled table (this file: {table}): {by_length}")
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - t0:.0f}s")
     return 0

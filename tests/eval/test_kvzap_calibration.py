@@ -131,6 +131,7 @@ def test_calibration_job_writes_a_file_the_engine_loads(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "held-out fit over 2 documents" in done.stdout
+    assert "held-out shares error by length, per-length / pooled table (this file: pooled;" in done.stdout
     meta = read_metadata(out)
     assert meta["model"] == "smollm2" and len(meta["fit"]["layers"]) == 30 and meta["settings"]["train_documents"] == 6
     bad = subprocess.run(cmd[:2] + ["--output", str(out), "--lengths", "32"], capture_output=True, text=True)
