@@ -219,13 +219,11 @@ def shares_error(train: list[DocumentTargets], held_out: list[DocumentTargets]) 
     over kept fractions and documents), per length: ``{"per_length": {n: e}, "pooled": {n: e}}``
     (one table per length, ``shares_by_length``, against one table over every length)."""
     pooled = torch.stack([t.shares for t in train]).mean(0)
+    tables, lengths = length_shares(train)
+    by_length = dict(zip(lengths.int().tolist(), tables))
     out: dict[str, dict[str, float]] = {"per_length": {}, "pooled": {}}
-    for n in sorted({t.length for t in held_out}):
-        own = [t.shares for t in train if t.length == n]
-        docs = [t for t in held_out if t.length == n]
-        if not own:
-            continue
-        table = torch.stack(own).mean(0)
+    for n in sorted({t.length for t in held_out} & by_length.keys()):
+        docs, table = [t for t in held_out if t.length == n], by_length[n]
         out["per_length"][str(n)] = round(sum(_relative_l1(t.shares, table) for t in docs) / len(docs), 4)
         out["pooled"][str(n)] = round(sum(_relative_l1(t.shares, pooled) for t in docs) / len(docs), 4)
     return out

@@ -44,12 +44,8 @@ def dense_prefill_attention(
     if bool((key_pos >= 0).all()):
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
     out = torch.empty_like(query)
-    k_idx = torch.arange(n, device=query.device)
-    key_ok = (key_pos >= 0)[:, None, :]  # (B, 1, n)
     for begin in range(0, n, _QUERY_CHUNK):
-        q_idx = k_idx[begin : begin + _QUERY_CHUNK]
-        causal = k_idx[None, :] <= q_idx[:, None]
-        mask = (causal[None] & key_ok) | (k_idx[None, :] == q_idx[:, None])[None]  # (B, c, n)
+        mask = _visible(key_pos, begin, min(n, begin + _QUERY_CHUNK))
         out[:, :, begin : begin + _QUERY_CHUNK] = F.scaled_dot_product_attention(
             query[:, :, begin : begin + _QUERY_CHUNK],
             key,
@@ -59,6 +55,16 @@ def dense_prefill_attention(
             enable_gqa=True,
         )
     return out
+
+
+def _visible(key_pos: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """(B, end - begin, K) bool: which of the K key columns (key_pos (B, K), -1 = padding) the query
+    columns [begin, end) of a left-padded prefill see: earlier or equal real columns, and itself
+    (so that a padding query's output stays finite)."""
+    k_idx = torch.arange(key_pos.shape[1], device=key_pos.device)
+    q_idx = k_idx[begin:end]
+    causal = (k_idx[None, :] <= q_idx[:, None])[None] & (key_pos >= 0)[:, None, :]
+    return causal | (k_idx[None, :] == q_idx[:, None])[None]
 
 
 def slice_attention(
@@ -80,12 +86,8 @@ def slice_attention(
         out = _earlier_then_own_columns(query, key, value, start, scaling)
         if out is not None:
             return out
-    bsz, h_q, s, _ = query.shape
-    h_kv, end = key.shape[1], key.shape[2]
-    q_idx = torch.arange(start, end, device=query.device)
-    k_idx = torch.arange(end, device=query.device)
-    unseen = (k_idx[None, :] > q_idx[:, None])[None] | (key_pos < 0)[:, None, :]  # (B, s, end)
-    unseen &= (k_idx[None, :] != q_idx[:, None])[None]  # a padding query sees itself
+    h_q, h_kv = query.shape[1], key.shape[1]
+    unseen = ~_visible(key_pos, start, key.shape[2])  # (B, s, end)
     mask = torch.zeros(unseen.shape, dtype=query.dtype, device=query.device).masked_fill_(unseen, float("-inf"))
     del unseen
     group = h_q // h_kv
