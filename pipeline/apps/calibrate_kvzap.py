@@ -52,6 +52,11 @@ class KVzapCalibrationJob(BaseModel):
         description="one shares table per calibration length, interpolated in log length (4K RULER: better at "
         "cache 0.1-0.2, worse at 0.4 with CriticalKV; docs/results/kvzap-calibration/README.md)",
     )
+    shares_target: Literal["kvzip", "predicted"] = Field(
+        "kvzip",
+        description="what the shares copy: each head's count in KVzip's global top-k of the true scores, or the "
+        "counts that keep the most true score when each head keeps its predicted top entries",
+    )
     seed: int = Field(0, description="seed of the documents and of the sampled entries")
     actors: int = Field(1, ge=1, description="Ray actors computing targets (each holds the model)")
     cpus_per_actor: float = Field(2.0, gt=0, description="CPUs per actor")
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     train, held = _split(_collect(config, docs, log), config.validation, config.seed)
     model, report = fit(
         train, held, config.share_sizes, config.kind, config.alpha, config.mlp_width, config.mlp_epochs,
-        config.seed, progress=log, shares_by_length=config.shares_by_length,
+        config.seed, progress=log, shares_by_length=config.shares_by_length, shares_target=config.shares_target,
     )  # fmt: skip
     settings = config.model_dump(mode="json", exclude={"output", "ray_address", "actors"})
     settings.update(train_documents=len(train), held_out_documents=len(held), seconds=round(time.perf_counter() - t0))

@@ -24,7 +24,7 @@ table per length); the report says how far held-out documents' own shares lie fr
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,7 +35,8 @@ from ..kv.attention import recorded_attention_inputs
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
 from ..kv.kvzap_model import KVzapModel
-from ..kv.scorers.common import finalise
+from ..kv.scorers.common import SinkOptions, finalise
+from .kvzap_shares import predicted_shares
 
 MIN_SCORE = 1e-12  # log of a zero score
 
@@ -53,6 +54,7 @@ class DocumentTargets:
     log_scores: torch.Tensor
     shares: torch.Tensor
     positions: torch.Tensor
+    tokens: int = 0  # the row's length n (template included); 0: unknown, ``length`` stands in
 
 
 def _global_shares(scores: list[torch.Tensor], key_pos: torch.Tensor, sizes: list[float], window: int):
@@ -89,7 +91,7 @@ def document_targets(engine, doc: dict, sample_tokens: int, share_sizes: list[fl
     layers = range(engine.shape.num_layers)
     h = torch.stack([hidden[i][0, index].float().cpu() for i in layers])
     y = torch.stack([scores[i][0][:, index].clamp(min=MIN_SCORE).log().cpu() for i in layers])
-    return DocumentTargets(doc["doc_id"], doc["kind"], doc["length"], h, y, shares, index.cpu())
+    return DocumentTargets(doc["doc_id"], doc["kind"], doc["length"], h, y, shares, index.cpu(), n)
 
 
 # --------------------------------------------------------------------------- fitting
@@ -167,10 +169,16 @@ def fit(
     seed: int = 0,
     progress=None,
     shares_by_length: bool = False,
+    shares_target: str = "kvzip",
 ) -> tuple[KVzapModel, dict]:
     """The predictors of every layer and the shares (one table, or one per calibration length with
     ``shares_by_length``), plus the held-out fit report ``{"layers": [{layer, r2, spearman,
-    top20_overlap}], "mean": {...}, "per_kind": {...}, "shares_error": {...}}``."""
+    top20_overlap}], "mean": {...}, "per_kind": {...}, "shares_error": {...}}``. ``shares_target``:
+    ``kvzip`` (each head's count in KVzip's global top-k of the true scores) or ``predicted`` (the
+    counts that keep the most true score when each head keeps its predicted top entries,
+    :mod:`pipeline.eval.kvzap_shares`; computed with the fitted predictors)."""
+    if shares_target not in ("kvzip", "predicted"):
+        raise ValueError(f"shares_target must be 'kvzip' or 'predicted', got {shares_target!r}")
     layers = train[0].hidden.shape[0]
     per_layer: dict[str, list[torch.Tensor]] = {}
     report = []
@@ -187,6 +195,10 @@ def fit(
             progress(f"layer {layer}: fitted on {x.shape[0]} entries")
     tensors = {name: torch.stack(ts) for name, ts in per_layer.items()}
     sizes = torch.tensor(share_sizes, dtype=torch.float32)
+    model = KVzapModel(kind, tensors, train[0].shares, sizes)  # predictors only, for the predicted targets
+    if shares_target == "predicted":
+        train = [_predicted_targets(model, t, share_sizes) for t in train]
+        held_out = [_predicted_targets(model, t, share_sizes) for t in held_out]
     if shares_by_length:
         tables, lengths = length_shares(train + held_out)
         model = KVzapModel(kind, tensors, tables, sizes, lengths)
@@ -198,6 +210,15 @@ def fit(
     per_kind = {k: _mean_quality(model, [t for t in held_out if t.kind == k]) for k in kinds}
     fit_report = {"layers": report, "mean": _mean_of(report), "per_kind": per_kind}
     return model, {**fit_report, "shares_error": shares_error(train, held_out)}
+
+
+def _predicted_targets(model: KVzapModel, doc: DocumentTargets, sizes: list[float]) -> DocumentTargets:
+    """``doc`` with its predictor-aware shares in place of KVzip's (every head also keeps the default
+    sinks and window, as the ``shares`` allocation's heads do)."""
+    fixed = CompressionConfig.model_fields["window"].default + SinkOptions.model_fields["sink_tokens"].default
+    tokens = doc.tokens or doc.length
+    shares = predicted_shares(model, doc.hidden, doc.log_scores, sizes, tokens, fixed)
+    return replace(doc, shares=shares)
 
 
 def length_shares(docs: list[DocumentTargets]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,6 +104,12 @@ def test_fit_predicts_held_out_documents_of_a_tiny_model(kind):
     by_length, _ = fit(targets[:6], targets[6:], [0.2, 0.4], kind, mlp_epochs=1, shares_by_length=True)
     assert by_length.share_lengths.tolist() == [700.0]  # one calibration length: one table
     torch.testing.assert_close(by_length.shares[0], model.shares)
+    aware, aware_report = fit(targets[:6], targets[6:], [0.2, 0.4], kind, mlp_epochs=1, shares_target="predicted")
+    assert aware.shares.shape == model.shares.shape and not torch.allclose(aware.shares, model.shares)
+    torch.testing.assert_close(aware.shares.mean((1, 2)), torch.ones(2))
+    assert set(aware_report["shares_error"]["per_length"]) == {"700"}
+    with pytest.raises(ValueError, match="shares_target"):
+        fit(targets[:6], targets[6:], [0.2], kind, mlp_epochs=1, shares_target="oracle")
 
 
 def _targets(length: int, shares: torch.Tensor) -> DocumentTargets:
