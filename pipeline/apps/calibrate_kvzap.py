@@ -151,5 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         table = "per length" if config.shares_by_length else "pooled; --shares-by-length writes per length"
         by_length = ", ".join(f"{n}: {error['per_length'][n]:.2f} / {error['pooled'][n]:.2f}" for n in error["pooled"])
         print(f"held-out shares error by length, per-length / pooled table (this file: {table}): {by_length}")
+    kept = "; ".join(
+        f"{n}: " + ", ".join(f"{f} {v['score']:.3f} / {v['entries']:.3f}" for f, v in per.items())
+        for n, per in report["kept_top"].items()
+    )
+    print(f"held-out kept score / KVzip's top entries kept, by length and kept fraction (this file): {kept}")
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - t0:.0f}s")
     return 0

@@ -36,9 +36,10 @@ from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
 from ..kv.kvzap_model import KVzapModel
 from ..kv.scorers.common import SinkOptions, finalise
-from .kvzap_shares import predicted_shares
+from .kvzap_shares import kept_of_global_top, predicted_shares
 
 MIN_SCORE = 1e-12  # log of a zero score
+REPORT_FRACTIONS = (0.1, 0.2, 0.4)  # kept fractions of the held-out report (the RULER sweeps' cache sizes)
 
 
 @dataclass
@@ -173,27 +174,15 @@ def fit(
 ) -> tuple[KVzapModel, dict]:
     """The predictors of every layer and the shares (one table, or one per calibration length with
     ``shares_by_length``), plus the held-out fit report ``{"layers": [{layer, r2, spearman,
-    top20_overlap}], "mean": {...}, "per_kind": {...}, "shares_error": {...}}``. ``shares_target``:
+    top20_overlap}], "mean": {...}, "per_kind": {...}, "shares_error": {...}, "kept_top": {...}}``
+    (:func:`kept_report`). ``shares_target``:
     ``kvzip`` (each head's count in KVzip's global top-k of the true scores) or ``predicted`` (the
     counts that keep the most true score when each head keeps its predicted top entries,
     :mod:`pipeline.eval.kvzap_shares`; computed with the fitted predictors)."""
     if shares_target not in ("kvzip", "predicted"):
         raise ValueError(f"shares_target must be 'kvzip' or 'predicted', got {shares_target!r}")
     layers = train[0].hidden.shape[0]
-    per_layer: dict[str, list[torch.Tensor]] = {}
-    report = []
-    for layer in range(layers):
-        x, y = _layer_data(train, layer)
-        if kind == "linear":
-            weight, bias = ridge(x, y, alpha)
-            params = {"weight": weight, "bias": bias}
-        else:
-            params = train_mlp(x, y, mlp_width, mlp_epochs, seed + layer)
-        for name, tensor in params.items():
-            per_layer.setdefault(name, []).append(tensor)
-        if progress is not None:
-            progress(f"layer {layer}: fitted on {x.shape[0]} entries")
-    tensors = {name: torch.stack(ts) for name, ts in per_layer.items()}
+    tensors = _fit_predictors(train, kind, alpha, mlp_width, mlp_epochs, seed, progress)
     sizes = torch.tensor(share_sizes, dtype=torch.float32)
     model = KVzapModel(kind, tensors, train[0].shares, sizes)  # predictors only, for the predicted targets
     if shares_target == "predicted":
@@ -204,21 +193,60 @@ def fit(
         model = KVzapModel(kind, tensors, tables, sizes, lengths)
     else:
         model = KVzapModel(kind, tensors, torch.stack([t.shares for t in train + held_out]).mean(0), sizes)
-    for layer in range(layers):
-        report.append({"layer": layer, **_quality(model, held_out, layer)})
+    report = [{"layer": layer, **_quality(model, held_out, layer)} for layer in range(layers)]
     kinds = sorted({t.kind for t in held_out})
     per_kind = {k: _mean_quality(model, [t for t in held_out if t.kind == k]) for k in kinds}
     fit_report = {"layers": report, "mean": _mean_of(report), "per_kind": per_kind}
-    return model, {**fit_report, "shares_error": shares_error(train, held_out)}
+    shares_report = {"shares_error": shares_error(train, held_out), "kept_top": kept_report(model, held_out)}
+    return model, {**fit_report, **shares_report, "shares_target": shares_target}
+
+
+def _fit_predictors(train, kind, alpha, mlp_width, mlp_epochs, seed, progress) -> dict[str, torch.Tensor]:
+    """One predictor per layer on the training documents' pairs: the stacked tensors of KVzapModel."""
+    per_layer: dict[str, list[torch.Tensor]] = {}
+    for layer in range(train[0].hidden.shape[0]):
+        x, y = _layer_data(train, layer)
+        if kind == "linear":
+            weight, bias = ridge(x, y, alpha)
+            params = {"weight": weight, "bias": bias}
+        else:
+            params = train_mlp(x, y, mlp_width, mlp_epochs, seed + layer)
+        for name, tensor in params.items():
+            per_layer.setdefault(name, []).append(tensor)
+        if progress is not None:
+            progress(f"layer {layer}: fitted on {x.shape[0]} entries")
+    return {name: torch.stack(ts) for name, ts in per_layer.items()}
 
 
 def _predicted_targets(model: KVzapModel, doc: DocumentTargets, sizes: list[float]) -> DocumentTargets:
     """``doc`` with its predictor-aware shares in place of KVzip's (every head also keeps the default
     sinks and window, as the ``shares`` allocation's heads do)."""
-    fixed = CompressionConfig.model_fields["window"].default + SinkOptions.model_fields["sink_tokens"].default
-    tokens = doc.tokens or doc.length
-    shares = predicted_shares(model, doc.hidden, doc.log_scores, sizes, tokens, fixed)
+    shares = predicted_shares(model, doc.hidden, doc.log_scores, sizes, doc.tokens or doc.length, _fixed_entries())
     return replace(doc, shares=shares)
+
+
+def _fixed_entries() -> int:
+    """Entries every head keeps whatever its count (the default window and sinks)."""
+    return CompressionConfig.model_fields["window"].default + SinkOptions.model_fields["sink_tokens"].default
+
+
+def kept_report(model: KVzapModel, held_out: list[DocumentTargets], fractions=REPORT_FRACTIONS) -> dict:
+    """Per held-out length and kept fraction, the mean over documents of (kept true score / the
+    global top's, share of KVzip's global top entries kept) with this file's predictors and shares
+    (:func:`pipeline.eval.kvzap_shares.kept_of_global_top`): ``{n: {f: {"score", "entries"}}}``."""
+    out: dict[str, dict] = {}
+    for n in sorted({t.length for t in held_out}):
+        docs, per = [t for t in held_out if t.length == n], {}
+        for f in fractions:
+            pairs = [
+                kept_of_global_top(model, t.hidden, t.log_scores, f, t.tokens or t.length, _fixed_entries())
+                for t in docs
+            ]
+            per[str(f)] = {
+                k: round(sum(p[i] for p in pairs) / len(pairs), 4) for i, k in enumerate(("score", "entries"))
+            }
+        out[str(n)] = per
+    return out
 
 
 def length_shares(docs: list[DocumentTargets]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,3 +71,27 @@ def predicted_shares(model: KVzapModel, hidden: torch.Tensor, log_scores: torch.
         counts = fixed + envelope_counts(curves, pool) * tokens / m
         out.append((counts / counts.mean()).view(layers, heads))
     return torch.stack(out).float()
+
+
+def kept_of_global_top(
+    model: KVzapModel, hidden: torch.Tensor, log_scores: torch.Tensor, fraction: float, tokens: int, fixed: int
+) -> tuple[float, float]:
+    """How well the file's shares and predictors keep one document's best entries at one kept fraction,
+    on its m sampled entries: each head keeps its predicted top ``floor((share * f * n - fixed) * m / n)``
+    (its count less the sinks and window). Returns (kept true score / the global top's, the fraction
+    of KVzip's global top-T entries kept), T the same pool. hidden: (L, m, hidden); log_scores: (L, H_kv, m)."""
+    layers, heads, m = log_scores.shape
+    predicted = torch.stack([model.predict(layer, hidden[layer][None].to(torch.float32))[0] for layer in range(layers)])
+    curves = score_curves(predicted.reshape(-1, m), log_scores.reshape(-1, m))
+    share = model.shares_at(torch.tensor([fraction]), torch.tensor([tokens]))[0].reshape(-1).cpu()
+    counts = torch.floor((share * fraction * tokens - fixed).clamp(min=0) * m / tokens + 1e-6).clamp(0, m).long()
+    pool = round(max(fraction * tokens - fixed, 0.0) * m / tokens * layers * heads)
+    if pool == 0:
+        return 1.0, 1.0
+    true = log_scores.double().exp().reshape(-1, m)
+    best = true.reshape(-1).topk(pool).values
+    order = torch.sort(predicted.reshape(-1, m).double(), dim=-1, descending=True, stable=True).indices
+    in_order = true.gather(-1, order)
+    kept = torch.arange(m)[None] < counts[:, None]
+    mass = float(curves.gather(1, counts[:, None]).sum() / best.sum())
+    return mass, float((kept & (in_order >= best[-1])).sum()) / pool

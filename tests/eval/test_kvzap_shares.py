@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from pipeline.eval.kvzap_shares import envelope_counts, predicted_shares, score_curves
+from pipeline.eval.kvzap_shares import envelope_counts, kept_of_global_top, predicted_shares, score_curves
 from pipeline.kv.kvzap_model import KVzapModel
 
 
@@ -63,3 +63,18 @@ def test_with_a_perfect_predictor_the_shares_are_kvzip_global_top_k(fixed):
         kept[flat.topk(pool).indices] = True
         counts = fixed + kept.view(layers, heads, m).sum(-1).double() * tokens / m
         torch.testing.assert_close(got[s], (counts / counts.mean()).float(), atol=1e-5, rtol=0)
+
+
+def test_kept_of_global_top_is_one_for_kvzip_shares_with_a_perfect_predictor_and_lower_when_reversed():
+    layers, heads, m, tokens, fixed = 2, 3, 40, 200, 5
+    log_scores = torch.randn(layers, heads, m, generator=torch.Generator().manual_seed(3)) * 2
+    hidden = log_scores.transpose(1, 2)
+    weight = torch.eye(heads)[None].repeat(layers, 1, 1)
+    tensors = {"weight": weight, "bias": torch.zeros(layers, heads)}
+    perfect = KVzapModel("linear", tensors, torch.ones(1, layers, heads), torch.tensor([0.5]))
+    shares = predicted_shares(perfect, hidden, log_scores, [0.25], tokens, fixed)
+    model = KVzapModel("linear", tensors, shares, torch.tensor([0.25]))
+    assert kept_of_global_top(model, hidden, log_scores, 0.25, tokens, fixed) == pytest.approx((1.0, 1.0), abs=1e-6)
+    reversed_ = KVzapModel("linear", {"weight": -weight, "bias": tensors["bias"]}, shares, torch.tensor([0.25]))
+    mass, entries = kept_of_global_top(reversed_, hidden, log_scores, 0.25, tokens, fixed)
+    assert mass < 0.5 and entries < 0.2
