@@ -17,7 +17,9 @@ regression in closed form; ``mlp``: D -> width -> GELU -> H_kv, AdamW on the squ
 measures it on the held-out documents: R^2 of the log-scores, Spearman rank correlation per KV head
 (mean), and the overlap of the predicted and true top 20 % per head. Shares are the mean over
 every document, or with ``shares_by_length`` over the documents of each calibration length (one
-table per length); the report says how far held-out documents' own shares lie from either.
+table per length), of KVzip's counts or, with ``shares_target="predicted"``, of the counts that suit
+the fitted predictors (:mod:`pipeline.eval.kvzap_shares`); the report says how far held-out
+documents' own shares lie from either table, and how much of KVzip's global top the file keeps.
 :func:`pipeline.engine.kvzap_file.write_kvzap` writes the result.
 """
 

@@ -26,6 +26,11 @@ import torch
 from ..kv.kvzap_model import KVzapModel
 
 
+def predictions(model: KVzapModel, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden: (L, m, hidden) sampled attention inputs -> (L, H_kv, m) predicted log-scores."""
+    return torch.stack([model.predict(layer, hidden[layer][None].float())[0] for layer in range(hidden.shape[0])])
+
+
 def score_curves(predicted: torch.Tensor, log_scores: torch.Tensor) -> torch.Tensor:
     """predicted, log_scores: (K, m) one row per head -> (K, m + 1) float64: the true scores
     ``exp(log_scores)`` summed along each head's predicted order (descending; ties to the earlier entry)."""
@@ -63,7 +68,7 @@ def predicted_shares(model: KVzapModel, hidden: torch.Tensor, log_scores: torch.
     its m sampled entries; ``tokens``: the row's length n; ``fixed``: entries every head keeps anyway
     (sinks + window), counted in its share."""
     layers, heads, m = log_scores.shape
-    predicted = torch.stack([model.predict(layer, hidden[layer][None].to(torch.float32))[0] for layer in range(layers)])
+    predicted = predictions(model, hidden)
     curves = score_curves(predicted.reshape(-1, m), log_scores.reshape(-1, m))
     out = []
     for size in sizes:
@@ -81,7 +86,7 @@ def kept_of_global_top(
     (its count less the sinks and window). Returns (kept true score / the global top's, the fraction
     of KVzip's global top-T entries kept), T the same pool. hidden: (L, m, hidden); log_scores: (L, H_kv, m)."""
     layers, heads, m = log_scores.shape
-    predicted = torch.stack([model.predict(layer, hidden[layer][None].to(torch.float32))[0] for layer in range(layers)])
+    predicted = predictions(model, hidden)
     curves = score_curves(predicted.reshape(-1, m), log_scores.reshape(-1, m))
     share = model.shares_at(torch.tensor([fraction]), torch.tensor([tokens]))[0].reshape(-1).cpu()
     counts = torch.floor((share * fraction * tokens - fixed).clamp(min=0) * m / tokens + 1e-6).clamp(0, m).long()

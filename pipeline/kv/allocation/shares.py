@@ -3,7 +3,8 @@ arXiv 2505.23416; the ``layer`` allocation) without holding the dense cache.
 
 The ``layer`` allocation needs every layer's scores before any layer is compressed, so the dense
 cache of the whole prefill exists at once. Here the calibration (``jobs/calibrate_kvzap.py``)
-records what that global top-k gives each (layer, KV head) on average, as a share of the row's
+records what that global top-k gives each (layer, KV head) on average (or the counts that keep the
+most true score under the predictor's ranking, ``--shares-target predicted``), as a share of the row's
 pool at a few kept fractions, optionally per context length
 (:meth:`~pipeline.kv.kvzap_model.KVzapModel.shares_at` interpolates at the row's own fraction b / n
 and length n). Each layer's counts then follow from the shares alone, right after its attention:
