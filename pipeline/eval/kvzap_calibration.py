@@ -238,15 +238,15 @@ def kept_report(model: KVzapModel, held_out: list[DocumentTargets], fractions=RE
     (:func:`pipeline.eval.kvzap_shares.kept_of_global_top`): ``{n: {f: {"score", "entries"}}}``."""
     out: dict[str, dict] = {}
     for n in sorted({t.length for t in held_out}):
-        docs, per = [t for t in held_out if t.length == n], {}
-        for f in fractions:
-            pairs = [
-                kept_of_global_top(model, t.hidden, t.log_scores, f, t.tokens or t.length, _fixed_entries())
-                for t in docs
-            ]
-            per[str(f)] = {
-                k: round(sum(p[i] for p in pairs) / len(pairs), 4) for i, k in enumerate(("score", "entries"))
-            }
+        docs = [t for t in held_out if t.length == n]
+        rows = [
+            kept_of_global_top(model, t.hidden, t.log_scores, fractions, t.tokens or t.length, _fixed_entries())
+            for t in docs
+        ]
+        per = {
+            str(f): {k: round(sum(r[j][i] for r in rows) / len(rows), 4) for i, k in enumerate(("score", "entries"))}
+            for j, f in enumerate(fractions)
+        }
         out[str(n)] = per
     return out
 

@@ -79,24 +79,25 @@ def predicted_shares(model: KVzapModel, hidden: torch.Tensor, log_scores: torch.
 
 
 def kept_of_global_top(
-    model: KVzapModel, hidden: torch.Tensor, log_scores: torch.Tensor, fraction: float, tokens: int, fixed: int
-) -> tuple[float, float]:
-    """How well the file's shares and predictors keep one document's best entries at one kept fraction,
+    model: KVzapModel, hidden: torch.Tensor, log_scores: torch.Tensor, fractions, tokens: int, fixed: int
+) -> list[tuple[float, float]]:
+    """How well the file's shares and predictors keep one document's best entries at each kept fraction f,
     on its m sampled entries: each head keeps its predicted top ``floor((share * f * n - fixed) * m / n)``
-    (its count less the sinks and window). Returns (kept true score / the global top's, the fraction
+    (its count less the sinks and window). Per fraction: (kept true score / the global top's, the fraction
     of KVzip's global top-T entries kept), T the same pool. hidden: (L, m, hidden); log_scores: (L, H_kv, m)."""
     layers, heads, m = log_scores.shape
-    predicted = predictions(model, hidden)
-    curves = score_curves(predicted.reshape(-1, m), log_scores.reshape(-1, m))
-    share = model.shares_at(torch.tensor([fraction]), torch.tensor([tokens]))[0].reshape(-1).cpu()
-    counts = torch.floor((share * fraction * tokens - fixed).clamp(min=0) * m / tokens + 1e-6).clamp(0, m).long()
-    pool = round(max(fraction * tokens - fixed, 0.0) * m / tokens * layers * heads)
-    if pool == 0:
-        return 1.0, 1.0
-    true = log_scores.double().exp().reshape(-1, m)
-    best = true.reshape(-1).topk(pool).values
-    order = torch.sort(predicted.reshape(-1, m).double(), dim=-1, descending=True, stable=True).indices
-    in_order = true.gather(-1, order)
-    kept = torch.arange(m)[None] < counts[:, None]
-    mass = float(curves.gather(1, counts[:, None]).sum() / best.sum())
-    return mass, float((kept & (in_order >= best[-1])).sum()) / pool
+    curves = score_curves(predictions(model, hidden).reshape(-1, m), log_scores.reshape(-1, m))
+    in_order = curves[:, 1:] - curves[:, :-1]  # true scores along each head's predicted order
+    out = []
+    for fraction in fractions:
+        share = model.shares_at(torch.tensor([fraction]), torch.tensor([tokens]))[0].reshape(-1).cpu()
+        counts = torch.floor((share * fraction * tokens - fixed).clamp(min=0) * m / tokens + 1e-6).clamp(0, m).long()
+        pool = round(max(fraction * tokens - fixed, 0.0) * m / tokens * layers * heads)
+        if pool == 0:
+            out.append((1.0, 1.0))
+            continue
+        best = in_order.reshape(-1).topk(pool).values
+        kept = torch.arange(m)[None] < counts[:, None]
+        mass = float(curves.gather(1, counts[:, None]).sum() / best.sum())
+        out.append((mass, float((kept & (in_order >= best[-1])).sum()) / pool))
+    return out

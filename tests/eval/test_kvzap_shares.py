@@ -74,7 +74,9 @@ def test_kept_of_global_top_is_one_for_kvzip_shares_with_a_perfect_predictor_and
     perfect = KVzapModel("linear", tensors, torch.ones(1, layers, heads), torch.tensor([0.5]))
     shares = predicted_shares(perfect, hidden, log_scores, [0.25], tokens, fixed)
     model = KVzapModel("linear", tensors, shares, torch.tensor([0.25]))
-    assert kept_of_global_top(model, hidden, log_scores, 0.25, tokens, fixed) == pytest.approx((1.0, 1.0), abs=1e-6)
+    assert kept_of_global_top(model, hidden, log_scores, [0.25], tokens, fixed)[0] == pytest.approx(
+        (1.0, 1.0), abs=1e-6
+    )
     reversed_ = KVzapModel("linear", {"weight": -weight, "bias": tensors["bias"]}, shares, torch.tensor([0.25]))
-    mass, entries = kept_of_global_top(reversed_, hidden, log_scores, 0.25, tokens, fixed)
+    [(mass, entries)] = kept_of_global_top(reversed_, hidden, log_scores, [0.25], tokens, fixed)
     assert mass < 0.5 and entries < 0.2
