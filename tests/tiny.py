@@ -95,10 +95,18 @@ def tiny_loaded(arch: str = "llama", seed: int = 0, chat: bool = True, **kw) -> 
     return LoadedModel(tiny_model(arch, seed, **kw), tiny_tokenizer(chat), f"tiny-{arch}", DEVICE, torch.float32, 0.0)
 
 
-def tiny_kvzap(num_layers: int, num_kv_heads: int, hidden: int, seed: int = 0, kind: str = "linear", lengths=(8, 32)):
-    """A random KVzap model for a model of this shape: weights, and shares at three kept fractions,
-    one table per context length of ``lengths`` (as a calibration over several lengths writes them;
-    None: one table for every length)."""
+def tiny_kvzap(
+    num_layers: int,
+    num_kv_heads: int,
+    hidden: int,
+    seed: int = 0,
+    kind: str = "linear",
+    lengths=(8, 32),
+    positions=True,
+):
+    """A random KVzap model for a model of this shape: weights (with position weights unless
+    ``positions`` is False), and shares at three kept fractions, one table per context length of
+    ``lengths`` (as a calibration over several lengths writes them; None: one table for every length)."""
     from pipeline.kv.kvzap_model import KVzapModel
 
     g = torch.Generator().manual_seed(seed)
@@ -115,6 +123,8 @@ def tiny_kvzap(num_layers: int, num_kv_heads: int, hidden: int, seed: int = 0, k
             "w2": torch.randn(num_layers, num_kv_heads, width, generator=g),
             "b2": torch.randn(num_layers, num_kv_heads, generator=g),
         }
+    if positions:
+        tensors["position_weight"] = torch.randn(num_layers, num_kv_heads, 3, generator=g)
     tables = 1 if lengths is None else len(lengths)
     shares = torch.rand(tables, 3, num_layers, num_kv_heads, generator=g) * 2 + 0.05
     shares = shares / shares.mean(dim=(2, 3), keepdim=True)
@@ -124,10 +134,10 @@ def tiny_kvzap(num_layers: int, num_kv_heads: int, hidden: int, seed: int = 0, k
     return KVzapModel(kind, tensors, shares, sizes, torch.tensor(lengths, dtype=torch.float32))
 
 
-def tiny_kvzap_for(model: torch.nn.Module, seed: int = 0, kind: str = "linear", lengths=(8, 32)):
+def tiny_kvzap_for(model: torch.nn.Module, seed: int = 0, kind: str = "linear", lengths=(8, 32), positions=True):
     cfg = model.config
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size)
-    return tiny_kvzap(*shape, seed, kind, lengths).to(DEVICE)
+    return tiny_kvzap(*shape, seed, kind, lengths, positions).to(DEVICE)
 
 
 def tiny_kvzap_file(loaded: LoadedModel, directory, seed: int = 0, kind: str = "linear"):

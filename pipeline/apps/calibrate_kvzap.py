@@ -57,6 +57,11 @@ class KVzapCalibrationJob(BaseModel):
         description="what the shares copy: each head's count in KVzip's global top-k of the true scores, or the "
         "counts that keep the most true score when each head keeps its predicted top entries",
     )
+    positions: bool = Field(
+        True,
+        description="predict from each entry's position and the context's length too, besides its hidden state "
+        "(KVzip's scores fall with the distance from the context's end; docs/results/kvzap-positions/README.md)",
+    )
     seed: int = Field(0, description="seed of the documents and of the sampled entries")
     actors: int = Field(1, ge=1, description="Ray actors computing targets (each holds the model)")
     cpus_per_actor: float = Field(2.0, gt=0, description="CPUs per actor")
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     model, report = fit(
         train, held, config.share_sizes, config.kind, config.alpha, config.mlp_width, config.mlp_epochs,
         config.seed, progress=log, shares_by_length=config.shares_by_length, shares_target=config.shares_target,
+        positions=config.positions,
     )  # fmt: skip
     settings = config.model_dump(mode="json", exclude={"output", "ray_address", "actors"})
     settings.update(train_documents=len(train), held_out_documents=len(held), seconds=round(time.perf_counter() - t0))

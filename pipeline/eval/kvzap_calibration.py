@@ -13,7 +13,9 @@ Per calibration document (:mod:`pipeline.eval.kvzap_data`), :func:`document_targ
    each (layer, KV head), divided by the mean head budget.
 
 :func:`fit` then fits one predictor per layer on the training documents (``linear``: ridge
-regression in closed form; ``mlp``: D -> width -> GELU -> H_kv, AdamW on the squared error), and
+regression in closed form; ``mlp``: D -> width -> GELU -> H_kv, AdamW on the squared error; with
+``positions``, plus a linear term in each entry's position and the row's length,
+:func:`pipeline.kv.kvzap_model.position_features`, fitted jointly by the ridge), and
 measures it on the held-out documents: R^2 of the log-scores, Spearman rank correlation per KV head
 (mean), and the overlap of the predicted and true top 20 % per head. Shares are the mean over
 every document, or with ``shares_by_length`` over the documents of each calibration length (one
@@ -36,7 +38,7 @@ from ..kv.allocation.layer import layer_head_budgets
 from ..kv.attention import recorded_attention_inputs
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
-from ..kv.kvzap_model import KVzapModel
+from ..kv.kvzap_model import KVzapModel, position_features
 from ..kv.scorers.common import SinkOptions, finalise
 from .kvzap_shares import kept_of_global_top, predicted_shares
 
@@ -161,6 +163,15 @@ def _layer_data(targets: list[DocumentTargets], layer: int) -> tuple[torch.Tenso
     return x, y
 
 
+def _position_data(targets: list[DocumentTargets]) -> torch.Tensor:
+    """(N, 3) position features of every sampled entry, in :func:`_layer_data`'s order."""
+    return torch.cat([_doc_positions(t) for t in targets])
+
+
+def _doc_positions(t: DocumentTargets) -> torch.Tensor:
+    return position_features(t.positions[None].to(torch.long), torch.tensor([t.tokens or t.length]))[0]
+
+
 def fit(
     train: list[DocumentTargets],
     held_out: list[DocumentTargets],
@@ -173,6 +184,7 @@ def fit(
     progress=None,
     shares_by_length: bool = False,
     shares_target: str = "kvzip",
+    positions: bool = True,
 ) -> tuple[KVzapModel, dict]:
     """The predictors of every layer and the shares (one table, or one per calibration length with
     ``shares_by_length``), plus the held-out fit report ``{"layers": [{layer, r2, spearman,
@@ -180,11 +192,12 @@ def fit(
     (:func:`kept_report`). ``shares_target``:
     ``kvzip`` (each head's count in KVzip's global top-k of the true scores) or ``predicted`` (the
     counts that keep the most true score when each head keeps its predicted top entries,
-    :mod:`pipeline.eval.kvzap_shares`; computed with the fitted predictors)."""
+    :mod:`pipeline.eval.kvzap_shares`; computed with the fitted predictors). ``positions``: the
+    predictors add a term in the entry's position and the row's length (``position_weight``)."""
     if shares_target not in ("kvzip", "predicted"):
         raise ValueError(f"shares_target must be 'kvzip' or 'predicted', got {shares_target!r}")
     layers = train[0].hidden.shape[0]
-    tensors = _fit_predictors(train, kind, alpha, mlp_width, mlp_epochs, seed, progress)
+    tensors = _fit_predictors(train, kind, alpha, (mlp_width, mlp_epochs), seed, progress, positions)
     sizes = torch.tensor(share_sizes, dtype=torch.float32)
     model = KVzapModel(kind, tensors, train[0].shares, sizes)  # predictors only, for the predicted targets
     if shares_target == "predicted":
@@ -203,16 +216,24 @@ def fit(
     return model, {**fit_report, **shares_report, "shares_target": shares_target}
 
 
-def _fit_predictors(train, kind, alpha, mlp_width, mlp_epochs, seed, progress) -> dict[str, torch.Tensor]:
-    """One predictor per layer on the training documents' pairs: the stacked tensors of KVzapModel."""
+def _fit_predictors(train, kind, alpha, mlp, seed, progress, positions) -> dict[str, torch.Tensor]:
+    """One predictor per layer on the training documents' pairs: the stacked tensors of KVzapModel.
+    mlp: (width, epochs). With ``positions`` the ridge fits h and the position features jointly; an
+    MLP then learns what the position term leaves."""
     per_layer: dict[str, list[torch.Tensor]] = {}
+    features = _position_data(train) if positions else None
     for layer in range(train[0].hidden.shape[0]):
         x, y = _layer_data(train, layer)
-        if kind == "linear":
-            weight, bias = ridge(x, y, alpha)
-            params = {"weight": weight, "bias": bias}
-        else:
-            params = train_mlp(x, y, mlp_width, mlp_epochs, seed + layer)
+        params = {}
+        if features is not None:
+            weight, bias = ridge(torch.cat([x, features], dim=1), y, alpha)
+            params = {"weight": weight[:, : x.shape[1]], "bias": bias, "position_weight": weight[:, x.shape[1] :]}
+            y = y - features @ params["position_weight"].T
+        if kind == "linear" and features is None:
+            params = dict(zip(("weight", "bias"), ridge(x, y, alpha)))
+        elif kind == "mlp":
+            params = {**train_mlp(x, y, mlp[0], mlp[1], seed + layer), "position_weight": params.get("position_weight")}
+            params = {k: v for k, v in params.items() if v is not None}
         for name, tensor in params.items():
             per_layer.setdefault(name, []).append(tensor)
         if progress is not None:
@@ -223,7 +244,8 @@ def _fit_predictors(train, kind, alpha, mlp_width, mlp_epochs, seed, progress) -
 def _predicted_targets(model: KVzapModel, doc: DocumentTargets, sizes: list[float]) -> DocumentTargets:
     """``doc`` with its predictor-aware shares in place of KVzip's (every head also keeps the default
     sinks and window, as the ``shares`` allocation's heads do)."""
-    shares = predicted_shares(model, doc.hidden, doc.log_scores, sizes, doc.tokens or doc.length, _fixed_entries())
+    n, fixed = doc.tokens or doc.length, _fixed_entries()
+    shares = predicted_shares(model, doc.hidden, doc.log_scores, sizes, n, fixed, doc.positions)
     return replace(doc, shares=shares)
 
 
@@ -239,8 +261,9 @@ def kept_report(model: KVzapModel, held_out: list[DocumentTargets], fractions=RE
     out: dict[str, dict] = {}
     for n in sorted({t.length for t in held_out}):
         docs = [t for t in held_out if t.length == n]
+        fixed = _fixed_entries()
         rows = [
-            kept_of_global_top(model, t.hidden, t.log_scores, fractions, t.tokens or t.length, _fixed_entries())
+            kept_of_global_top(model, t.hidden, t.log_scores, fractions, t.tokens or t.length, fixed, t.positions)
             for t in docs
         ]
         per = {
@@ -282,7 +305,9 @@ def shares_error(train: list[DocumentTargets], held_out: list[DocumentTargets]) 
 
 def _quality(model: KVzapModel, docs: list[DocumentTargets], layer: int) -> dict:
     x, y = _layer_data(docs, layer)
-    pred = model.predict(layer, x[None])[0]  # (H, N)
+    pred = model.predict_from_hidden(layer, x[None])[0]  # (H, N)
+    if model.uses_positions:
+        pred = pred + (_position_data(docs) @ model.tensors["position_weight"][layer].T).T
     return fit_quality(pred, y.T)
 
 

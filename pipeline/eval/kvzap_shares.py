@@ -26,9 +26,14 @@ import torch
 from ..kv.kvzap_model import KVzapModel
 
 
-def predictions(model: KVzapModel, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden: (L, m, hidden) sampled attention inputs -> (L, H_kv, m) predicted log-scores."""
-    return torch.stack([model.predict(layer, hidden[layer][None].float())[0] for layer in range(hidden.shape[0])])
+def predictions(model: KVzapModel, hidden: torch.Tensor, positions=None, tokens: int = 0) -> torch.Tensor:
+    """hidden: (L, m, hidden) sampled attention inputs -> (L, H_kv, m) predicted log-scores;
+    ``positions`` (m,) and ``tokens`` (the row's length) feed a file's position term."""
+    key_pos = None if positions is None else positions[None].to(torch.long)
+    lengths = torch.tensor([tokens])
+    return torch.stack(
+        [model.predict(layer, hidden[layer][None].float(), key_pos, lengths)[0] for layer in range(hidden.shape[0])]
+    )
 
 
 def score_curves(predicted: torch.Tensor, log_scores: torch.Tensor) -> torch.Tensor:
@@ -61,14 +66,15 @@ def envelope_counts(curves: torch.Tensor, pool: float, steps: int = 100) -> torc
 
 
 def predicted_shares(model: KVzapModel, hidden: torch.Tensor, log_scores: torch.Tensor, sizes: list[float],
-                     tokens: int, fixed: int) -> torch.Tensor:  # fmt: skip
+                     tokens: int, fixed: int, positions=None) -> torch.Tensor:  # fmt: skip
     """One document's predictor-aware shares (S, L, H_kv) float32 (mean 1 at each size).
 
     hidden: (L, m, hidden) attention inputs and log_scores: (L, H_kv, m) true KVzip+ log-scores of
     its m sampled entries; ``tokens``: the row's length n; ``fixed``: entries every head keeps anyway
-    (sinks + window), counted in its share."""
+    (sinks + window), counted in its share; ``positions`` (m,): the entries' positions (a file's
+    position term)."""
     layers, heads, m = log_scores.shape
-    predicted = predictions(model, hidden)
+    predicted = predictions(model, hidden, positions, tokens)
     curves = score_curves(predicted.reshape(-1, m), log_scores.reshape(-1, m))
     out = []
     for size in sizes:
@@ -79,14 +85,20 @@ def predicted_shares(model: KVzapModel, hidden: torch.Tensor, log_scores: torch.
 
 
 def kept_of_global_top(
-    model: KVzapModel, hidden: torch.Tensor, log_scores: torch.Tensor, fractions, tokens: int, fixed: int
+    model: KVzapModel,
+    hidden: torch.Tensor,
+    log_scores: torch.Tensor,
+    fractions,
+    tokens: int,
+    fixed: int,
+    positions=None,
 ) -> list[tuple[float, float]]:
     """How well the file's shares and predictors keep one document's best entries at each kept fraction f,
     on its m sampled entries: each head keeps its predicted top ``floor((share * f * n - fixed) * m / n)``
     (its count less the sinks and window). Per fraction: (kept true score / the global top's, the fraction
     of KVzip's global top-T entries kept), T the same pool. hidden: (L, m, hidden); log_scores: (L, H_kv, m)."""
     layers, heads, m = log_scores.shape
-    curves = score_curves(predictions(model, hidden).reshape(-1, m), log_scores.reshape(-1, m))
+    curves = score_curves(predictions(model, hidden, positions, tokens).reshape(-1, m), log_scores.reshape(-1, m))
     in_order = curves[:, 1:] - curves[:, :-1]  # true scores along each head's predicted order
     out = []
     for fraction in fractions:

@@ -137,7 +137,7 @@ class ChunkedCompression:
         cache, compressor = self.cache, self.cache.compressor
         pos = cache.chunk_pos
         observed = compressor.observe(query, pos, idx, cache.hidden_states.pop(idx, None))
-        self.chunk_scores[idx] = compressor.raw_scores(idx, module, observed, key, value, pos, scaling)
+        self.chunk_scores[idx] = compressor.raw_scores(idx, module, observed, key, value, pos, scaling, self.lengths)
         self.modules[idx] = module
         if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compression
             self.first_chunk[idx] = (key, value, pos)

@@ -167,11 +167,13 @@ class Compressor:
         budgets = self.allocation.model_head_budgets(scores, contexts, self.allocation_options)
         return [self._select(ctx, s, b) for ctx, s, b in zip(contexts, scores, budgets)]
 
-    def raw_scores(self, layer_idx, module, observed, key, value, key_pos, scaling) -> torch.Tensor:
+    def raw_scores(self, layer_idx, module, observed, key, value, key_pos, scaling, context_lengths) -> torch.Tensor:
         """Base scores of one prefill chunk's entries (chunked prefill), (B, H_kv, T): as the scorer
         scores the chunk, except that the chunk's window entries get the score they have without a
-        window (the running window is applied to the union in :meth:`compress_union`)."""
+        window (the running window is applied to the union in :meth:`compress_union`).
+        context_lengths: (B,) each row's whole context."""
         ctx = self._context(layer_idx, PendingLayer(module, key, value, key_pos, scaling, observed))
+        ctx.context_lengths = context_lengths
         with_window = self.scorer.score(ctx, self.scorer_options)  # as the unchunked prefill scores the chunk
         in_window = window_mask(key_pos, ctx.row_window)[:, None, :]
         ctx.row_window = torch.zeros_like(ctx.row_window)

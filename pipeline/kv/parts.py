@@ -50,7 +50,8 @@ class LayerContext:
     calibrated shares (:class:`~pipeline.kv.kvzap_model.KVzapModel`) or None;
     selection_weighs_values: the method's selection declares :attr:`Selection.weighs_by_value_norm`;
     known_norms: (B, H_kv, n) projected value norms already computed (NaN where not; a chunked
-    prefill's held entries) or None.
+    prefill's held entries) or None; context_lengths: (B,) each row's whole context when the layer
+    holds only part of it (a chunked prefill's chunk), else None (``lengths`` is the whole context).
     """
 
     layer_idx: int
@@ -67,6 +68,7 @@ class LayerContext:
     kvzap: KVzapModel | None = None
     selection_weighs_values: bool = False
     known_norms: torch.Tensor | None = None
+    context_lengths: torch.Tensor | None = None
 
 
 @dataclass

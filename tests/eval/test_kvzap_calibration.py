@@ -112,6 +112,33 @@ def test_fit_predicts_held_out_documents_of_a_tiny_model(kind):
         fit(targets[:6], targets[6:], [0.2], kind, mlp_epochs=1, shares_target="oracle")
 
 
+def _positional_targets(doc: int, n: int, weight, position_weight) -> DocumentTargets:
+    """Synthetic targets whose log-scores are h . w + position_weight . (log(1 + p), log(1 + n - 1 - p), log n)."""
+    from tests.kv.reference import kvzap_position_term
+
+    g = torch.Generator().manual_seed(doc)
+    positions = torch.randperm(n, generator=g)[:50].sort().values
+    hidden = torch.randn(2, 50, 6, generator=g)
+    term = torch.tensor(
+        [[[kvzap_position_term(pw, int(p), n) for p in positions] for pw in layer] for layer in position_weight]
+    )
+    log_scores = torch.einsum("lmd,lhd->lhm", hidden, weight) + term
+    return DocumentTargets(f"d{doc}", "ruler", n, hidden, log_scores, torch.ones(2, 2, 2), positions, n)
+
+
+def test_fit_recovers_a_dependence_on_the_distance_to_the_context_end():
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(2, 2, 6, generator=g)
+    position_weight = [[[0.0, -1.5, 0.5], [0.3, -0.8, 0.0]], [[0.0, 0.0, 0.0], [0.0, -2.0, 1.0]]]
+    docs = [_positional_targets(i, n, weight, position_weight) for i, n in enumerate([100, 300, 900, 2000] * 3)]
+    model, report = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8)
+    torch.testing.assert_close(model.tensors["position_weight"], torch.tensor(position_weight), atol=1e-3, rtol=0)
+    torch.testing.assert_close(model.tensors["weight"], weight, atol=1e-3, rtol=0)
+    assert report["mean"]["r2"] > 0.999
+    plain, plain_report = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8, positions=False)
+    assert not plain.uses_positions and plain_report["mean"]["r2"] < 0.9
+
+
 def _targets(length: int, shares: torch.Tensor) -> DocumentTargets:
     empty = torch.zeros(1, 0)
     return DocumentTargets(f"d{length}-{float(shares.sum())}", "ruler", length, empty, empty, shares, empty)

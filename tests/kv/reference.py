@@ -246,13 +246,26 @@ def expected_attention_reference(query, key, value, window, sinks, future, covar
     return out
 
 
-def kvzap_reference(hidden, weight, bias, window, sinks):
-    """KVzap's linear predictor for ONE unpadded row: hidden [n][D], weight [H][D], bias [H] ->
-    [H][n] exp(h . w + b), +inf on the first ``sinks`` tokens and the window."""
+def kvzap_position_term(position_weight, j, n):
+    """A KVzap file's position term of the entry at position j of an n-token context: position_weight
+    [3] . (log(1 + j), log(1 + (n - 1 - j)), log n)."""
+    features = (math.log(1 + j), math.log(1 + max(n - 1 - j, 0)), math.log(n))
+    return sum(w * f for w, f in zip(position_weight, features))
+
+
+def kvzap_reference(hidden, weight, bias, window, sinks, position_weight=None):
+    """KVzap's linear predictor for ONE unpadded row: hidden [n][D], weight [H][D], bias [H] and
+    optionally position_weight [H][3] -> [H][n] exp(h . w + b (+ the position term)), +inf on the
+    first ``sinks`` tokens and the window."""
     n = len(hidden)
     out = []
-    for w_h, b_h in zip(weight, bias):
-        row = [math.exp(min(sum(x * y for x, y in zip(hidden[j], w_h)) + b_h, 60.0)) for j in range(n)]
+    for head, (w_h, b_h) in enumerate(zip(weight, bias)):
+        row = []
+        for j in range(n):
+            logit = sum(x * y for x, y in zip(hidden[j], w_h)) + b_h
+            if position_weight is not None:
+                logit += kvzap_position_term(position_weight[head], j, n)
+            row.append(math.exp(min(logit, 60.0)))
         out.append([math.inf if (j < sinks or j >= n - window) else row[j] for j in range(n)])
     return out
 
@@ -322,7 +335,7 @@ SCORER_REFERENCES = {
         q.shape[-1],
     ),
     "kvzap": lambda q, k, v, w, cfg, scaling, observed=None, hidden=None, kvzap=None: kvzap_reference(
-        hidden, *kvzap, w, cfg.sink_tokens
+        hidden, kvzap[0], kvzap[1], w, cfg.sink_tokens, *kvzap[2:]
     ),
     "kvzip": lambda q, k, v, w, cfg, scaling, observed=None, **_: [
         [math.inf if j >= len(row) - min(w, len(row)) else row[j] for j in range(len(row))] for row in observed

@@ -263,18 +263,21 @@ def test_small_chunks_match_the_naive_reference(arch, method, chunk_budget):
     compressor = _compressor(model, method, 0.3, chunk=12, chunk_budget=chunk_budget)
     kvzap = compressor.kvzap
 
-    def score_fn(keys, hidden, layer, begin):
-        if method == "knorm":
-            return torch.softmax(-keys.float().norm(dim=-1) / keys.shape[-1] ** 0.5, dim=-1)
-        pred = kvzap.predict(layer, hidden[None])[0].clamp(max=60).exp()
-        positions = begin + torch.arange(pred.shape[1], device=pred.device)
-        return pred.masked_fill((positions < 2)[None], float("inf"))  # sink_tokens=2
+    def score_fn_for(total):  # a chunk's position terms read the whole row's length
+        def score_fn(keys, hidden, layer, begin):
+            if method == "knorm":
+                return torch.softmax(-keys.float().norm(dim=-1) / keys.shape[-1] ** 0.5, dim=-1)
+            positions = begin + torch.arange(hidden.shape[0], device=hidden.device)
+            pred = kvzap.predict(layer, hidden[None], positions[None], torch.tensor([total]))[0].clamp(max=60).exp()
+            return pred.masked_fill((positions < 2)[None], float("inf"))  # sink_tokens=2
+
+        return score_fn
 
     rows = _rows(3)
     cache, logits = run_chunked(model, compressor, rows, 12)
     ours = _kept(cache, model, rows)
     for b, row in enumerate(rows):
-        kept, ref_logits = chunked_reference(model, row, 12, 0.3, score_fn, chunk_budget)
+        kept, ref_logits = chunked_reference(model, row, 12, 0.3, score_fn_for(len(row)), chunk_budget)
         assert ours[b] == kept
         torch.testing.assert_close(logits[b], ref_logits, rtol=1e-4, atol=1e-4)
 

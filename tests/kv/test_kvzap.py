@@ -51,7 +51,7 @@ def test_kept_sets_follow_the_predictor_on_the_attention_inputs(arch, kind):
         hidden = _attention_inputs(model, ids[row, pad:])
         budget = round(0.3 * n)
         for layer, h in enumerate(hidden):
-            pred = kvzap.predict(layer, h[None])[0]  # (H_kv, n)
+            pred = kvzap.predict(layer, h[None], torch.arange(n)[None], torch.tensor([n]))[0]  # (H_kv, n)
             for head in range(pred.shape[0]):
                 score = pred[head].clamp(max=MAX_LOG_SCORE)  # the scorer's exp() saturates there
                 score[:2] = float("inf")
@@ -141,7 +141,9 @@ def test_file_round_trip_and_refusal_of_another_model(tmp_path):
     back = load_kvzap(path, loaded.model, loaded.name)
     assert back.kind == "mlp" and read_metadata(path)["fit"] == {"a": 1}
     h = torch.randn(1, 5, loaded.model.config.hidden_size, device=DEVICE)
-    torch.testing.assert_close(back.predict(1, h), kvzap.predict(1, h))
+    at = (torch.arange(5)[None], torch.tensor([9]))
+    torch.testing.assert_close(back.predict(1, h, *at), kvzap.predict(1, h, *at))
+    assert back.uses_positions
     assert back.share_lengths.tolist() == kvzap.share_lengths.tolist()
     torch.testing.assert_close(back.shares, kvzap.shares)
     single = tiny_kvzap_for(loaded.model, seed=2, lengths=None)  # a file with one shares table still loads
@@ -174,3 +176,30 @@ def test_resolve_names_the_file_and_both_models(tmp_path):
     with pytest.raises(ValueError, match="none ships for model 'tiny-llama'"):
         resolve_kvzap(CompressionConfig(method="kvzap", cache_size=0.2), "tiny-llama")
     assert resolve_kvzap(CompressionConfig(method="kvzap", cache_size=0.2), "smollm2").kvzap_model.is_file()
+
+
+def test_position_term_matches_the_naive_reference_at_batch_2_with_left_padding():
+    from tests.kv.reference import kvzap_position_term
+
+    kvzap = tiny_kvzap(3, 2, 16, seed=8)
+    _, pos = _batch()
+    lengths = torch.tensor([N, N - PAD])
+    term = kvzap.position_term(1, pos.cpu(), lengths)  # (B, H_kv, n)
+    weight = kvzap.tensors["position_weight"][1].tolist()
+    for row, pad in ((0, 0), (1, PAD)):
+        n = N - pad
+        for head in range(2):
+            expected = [kvzap_position_term(weight[head], j, n) for j in range(n)]
+            assert term[row, head, pad:].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    with pytest.raises(ValueError, match="positions"):
+        kvzap.predict(0, torch.randn(1, 4, 16))
+    plain = tiny_kvzap(3, 2, 16, seed=8, positions=False)
+    h = torch.randn(1, 4, 16)
+    torch.testing.assert_close(plain.predict(0, h), plain.predict_from_hidden(0, h))
+
+
+def test_a_bad_position_weight_is_refused():
+    kvzap = tiny_kvzap(2, 2, 8)
+    tensors = dict(kvzap.tensors, position_weight=torch.zeros(2, 2, 4))
+    with pytest.raises(ValueError, match="position_weight"):
+        KVzapModel("linear", tensors, kvzap.shares, kvzap.share_sizes, kvzap.share_lengths)

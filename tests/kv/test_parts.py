@@ -116,7 +116,11 @@ def test_scorer_matches_reference(name, selection):
             D**-0.5,
             observed=observed,
             hidden=_hidden(pos)[b, pad:].tolist(),
-            kvzap=(KVZAP.tensors["weight"][0].tolist(), KVZAP.tensors["bias"][0].tolist()),
+            kvzap=(
+                KVZAP.tensors["weight"][0].tolist(),
+                KVZAP.tensors["bias"][0].tolist(),
+                KVZAP.tensors["position_weight"][0].tolist(),
+            ),
         )
         for h in range(H_KV):
             for j in range(length):

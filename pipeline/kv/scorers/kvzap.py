@@ -3,7 +3,9 @@ the ordinary prefill, with no reconstruction pass. Per layer a small model (line
 :class:`~pipeline.kv.kvzap_model.KVzapModel`) maps each entry's attention input h_i (B, n, hidden)
 to a predicted KVzip+ log-score per KV head; the score is its exponential (a predicted attention x
 value-norm mass, non-negative like the other scorers', so CriticalKV's ``(A_i + eps) * m_i`` reads
-it the same way). Cost: one (n x hidden) @ (hidden x H_kv) matmul per layer.
+it the same way). Cost: one (n x hidden) @ (hidden x H_kv) matmul per layer. A file with position
+weights adds its term in each entry's position and the row's context length (the whole context's,
+also in a chunked prefill) before the exponential.
 
 The weights come from a calibration on the model itself (``jobs/calibrate_kvzap.py``); a file made
 for another model is refused. The first ``sink_tokens`` entries and the observation window are
@@ -44,10 +46,14 @@ class KVzap(Scorer):
     def observe(self, query, key_pos, options, window, rotary=None, inputs: LayerInputs | None = None) -> torch.Tensor:
         if inputs is None or inputs.hidden is None or inputs.kvzap is None:
             raise ValueError("kvzap needs the layer's hidden states and a KVzap model (compression.kvzap_model)")
-        return inputs.kvzap.predict(inputs.layer_idx, inputs.hidden)
+        return inputs.kvzap.predict_from_hidden(inputs.layer_idx, inputs.hidden)
 
     def merge_observed(self, earlier, later, window, options) -> torch.Tensor:
         return torch.cat([earlier, later], dim=-1)  # per-entry predictions (B, H_kv, n)
 
     def score(self, ctx: LayerContext, options: KVzapOptions) -> torch.Tensor:
-        return kvzap_scores(ctx.observed, ctx.key_pos, ctx.row_window, options.sink_tokens)
+        predicted = ctx.observed
+        if ctx.kvzap is not None and ctx.kvzap.uses_positions:
+            lengths = ctx.lengths if ctx.context_lengths is None else ctx.context_lengths
+            predicted = predicted + ctx.kvzap.position_term(ctx.layer_idx, ctx.key_pos, lengths)
+        return kvzap_scores(predicted, ctx.key_pos, ctx.row_window, options.sink_tokens)
