@@ -184,7 +184,7 @@ def fit(
     progress=None,
     shares_by_length: bool = False,
     shares_target: str = "kvzip",
-    positions: bool = True,
+    positions: bool = False,
 ) -> tuple[KVzapModel, dict]:
     """The predictors of every layer and the shares (one table, or one per calibration length with
     ``shares_by_length``), plus the held-out fit report ``{"layers": [{layer, r2, spearman,

@@ -13,9 +13,10 @@ Either kind may add a term in the entry's place in the context, ``position_weigh
 with ``f = (log(1 + p), log(1 + n - 1 - p), log n)`` (p the entry's position, n the row's context
 length; :func:`position_features`). KVzip's scores fall with the distance from the context's end
 (its reconstruction queries come after the context), which h_i cannot know under causal attention:
-on held-out calibration documents of SmolLM2 the term lifts the mean per-document R^2 of the linear
-predictor from 0.27 to 0.62 (docs/results/kvzap-positions/README.md). Files without
-``position_weight`` predict from h alone, as KVzap does.
+on held-out calibration documents of SmolLM2 the term lifts the linear predictor's R^2 from 0.44 to
+0.70, but the kept sets then lean to the context's end as KVzip's do, which answers RULER worse at
+cache 0.4 (docs/results/kvzap-positions/README.md), so the shipped file predicts from h alone, as
+KVzap does (calibration option ``positions``).
 
 ``shares`` (S, L, H_kv) are what a global top-k of the true scores over every layer and head (the
 ``layer`` allocation) gives each (layer, KV head) on calibration documents, as a multiple of the

@@ -131,11 +131,11 @@ def test_fit_recovers_a_dependence_on_the_distance_to_the_context_end():
     weight = torch.randn(2, 2, 6, generator=g)
     position_weight = [[[0.0, -1.5, 0.5], [0.3, -0.8, 0.0]], [[0.0, 0.0, 0.0], [0.0, -2.0, 1.0]]]
     docs = [_positional_targets(i, n, weight, position_weight) for i, n in enumerate([100, 300, 900, 2000] * 3)]
-    model, report = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8)
+    model, report = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8, positions=True)
     torch.testing.assert_close(model.tensors["position_weight"], torch.tensor(position_weight), atol=1e-3, rtol=0)
     torch.testing.assert_close(model.tensors["weight"], weight, atol=1e-3, rtol=0)
     assert report["mean"]["r2"] > 0.999
-    plain, plain_report = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8, positions=False)
+    plain, plain_report = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8)  # the default: h alone
     assert not plain.uses_positions and plain_report["mean"]["r2"] < 0.9
 
 
