@@ -137,6 +137,9 @@ def test_fit_recovers_a_dependence_on_the_distance_to_the_context_end():
     assert report["mean"]["r2"] > 0.999
     plain, plain_report = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8)  # the default: h alone
     assert not plain.uses_positions and plain_report["mean"]["r2"] < 0.9
+    mlp, _ = fit(docs[:9], docs[9:], [0.2, 0.4], kind="mlp", mlp_epochs=1, alpha=1e-8, positions=True)
+    assert set(mlp.tensors) == {"w1", "b1", "w2", "b2", "position_weight"}  # the MLP learns what the term leaves
+    torch.testing.assert_close(mlp.tensors["position_weight"], model.tensors["position_weight"])
 
 
 def _targets(length: int, shares: torch.Tensor) -> DocumentTargets:
