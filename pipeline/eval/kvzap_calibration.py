@@ -224,16 +224,16 @@ def _fit_predictors(train, kind, alpha, mlp, seed, progress, positions) -> dict[
     features = _position_data(train) if positions else None
     for layer in range(train[0].hidden.shape[0]):
         x, y = _layer_data(train, layer)
-        params = {}
+        position = {}
         if features is not None:
             weight, bias = ridge(torch.cat([x, features], dim=1), y, alpha)
-            params = {"weight": weight[:, : x.shape[1]], "bias": bias, "position_weight": weight[:, x.shape[1] :]}
-            y = y - features @ params["position_weight"].T
-        if kind == "linear" and features is None:
-            params = dict(zip(("weight", "bias"), ridge(x, y, alpha)))
-        elif kind == "mlp":
-            params = {**train_mlp(x, y, mlp[0], mlp[1], seed + layer), "position_weight": params.get("position_weight")}
-            params = {k: v for k, v in params.items() if v is not None}
+            linear = {"weight": weight[:, : x.shape[1]], "bias": bias}
+            position = {"position_weight": weight[:, x.shape[1] :]}
+            y = y - features @ position["position_weight"].T
+        elif kind == "linear":
+            linear = dict(zip(("weight", "bias"), ridge(x, y, alpha)))
+        params = linear if kind == "linear" else train_mlp(x, y, mlp[0], mlp[1], seed + layer)
+        params = {**params, **position}
         for name, tensor in params.items():
             per_layer.setdefault(name, []).append(tensor)
         if progress is not None:
@@ -304,11 +304,15 @@ def shares_error(train: list[DocumentTargets], held_out: list[DocumentTargets]) 
 
 
 def _quality(model: KVzapModel, docs: list[DocumentTargets], layer: int) -> dict:
-    x, y = _layer_data(docs, layer)
-    pred = model.predict_from_hidden(layer, x[None])[0]  # (H, N)
-    if model.uses_positions:
-        pred = pred + (_position_data(docs) @ model.tensors["position_weight"][layer].T).T
+    _, y = _layer_data(docs, layer)
+    pred = torch.cat([_doc_prediction(model, t, layer) for t in docs], dim=-1)  # (H, N)
     return fit_quality(pred, y.T)
+
+
+def _doc_prediction(model: KVzapModel, t: DocumentTargets, layer: int) -> torch.Tensor:
+    """(H_kv, m) the file's predicted log-scores of one document's sampled entries at one layer."""
+    lengths = torch.tensor([t.tokens or t.length])
+    return model.predict(layer, t.hidden[layer][None], t.positions[None].to(torch.long), lengths)[0]
 
 
 def _mean_of(rows: list[dict]) -> dict:

@@ -172,8 +172,7 @@ class Compressor:
         scores the chunk, except that the chunk's window entries get the score they have without a
         window (the running window is applied to the union in :meth:`compress_union`).
         context_lengths: (B,) each row's whole context."""
-        ctx = self._context(layer_idx, PendingLayer(module, key, value, key_pos, scaling, observed))
-        ctx.context_lengths = context_lengths
+        ctx = self._context(layer_idx, PendingLayer(module, key, value, key_pos, scaling, observed), context_lengths)
         with_window = self.scorer.score(ctx, self.scorer_options)  # as the unchunked prefill scores the chunk
         in_window = window_mask(key_pos, ctx.row_window)[:, None, :]
         ctx.row_window = torch.zeros_like(ctx.row_window)
@@ -246,7 +245,7 @@ class Compressor:
         selected = self._select(ctx, scores, budget)
         return selected.keep, selected.norms
 
-    def _context(self, layer_idx: int, layer: PendingLayer) -> LayerContext:
+    def _context(self, layer_idx: int, layer: PendingLayer, context_lengths=None) -> LayerContext:
         cfg = self.config
         _, h_kv, _, dim = layer.key.shape
         lengths = (layer.key_pos >= 0).sum(-1)
@@ -265,6 +264,7 @@ class Compressor:
             head_priors=self.head_priors,
             kvzap=self.kvzap,
             selection_weighs_values=self.selection.weighs_by_value_norm,
+            context_lengths=context_lengths,
         )
 
     def _select(self, ctx: LayerContext, scores: torch.Tensor, head_budget: torch.Tensor) -> LayerSelection:

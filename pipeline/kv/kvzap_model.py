@@ -132,10 +132,8 @@ class KVzapModel:
         return out + self.position_term(layer_idx, key_pos, lengths)
 
     def position_term(self, layer_idx: int, key_pos: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """(B, H_kv, n) float32: ``position_weight[l] @ f(p, n)`` (zeros for a file without it)."""
-        weight = self.tensors.get("position_weight")
-        if weight is None:
-            return torch.zeros(key_pos.shape[0], self.num_kv_heads, key_pos.shape[1], device=key_pos.device)
+        """(B, H_kv, n) float32: ``position_weight[l] @ f(p, n)`` (a file with :attr:`uses_positions`)."""
+        weight = self.tensors["position_weight"]
         features = position_features(key_pos, lengths).to(weight.device)
         return torch.matmul(features, weight[layer_idx].float().T).transpose(1, 2)
 
