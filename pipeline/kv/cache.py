@@ -20,9 +20,8 @@ Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_ch
 3. Optional decode-time cap (``max_cache_tokens``, :mod:`pipeline.kv.decode_cap`).
 
 The prefill may instead go chunk by chunk with eviction (:mod:`pipeline.kv.chunked`) or layer by layer
-in token slices with one pass's kept entries (:mod:`pipeline.kv.sliced`).
-
-Public read-back: :meth:`kept_positions` gives the original positions held for (layer, row, head).
+in token slices with one pass's kept entries (:mod:`pipeline.kv.sliced`). :meth:`kept_positions` reads
+back the original positions held for (layer, row, head).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from .decode_cap import DecodeCap
 from .phases import Phase
 from .sliced import LayerSlices
 from .store import VarLenLayer
+from .streamed import StreamedLayers
 from .timing import BlockTimer
 from .varlen_kernels import (
     KernelChoice,
@@ -64,8 +64,7 @@ class ChunkCache(Cache):
     ``Cache`` API the models call. Subclasses implement :meth:`attend` (and ``update``)."""
 
     def __init__(self, num_layers: int) -> None:
-        # The base class' layer list is not used: storage is per layer in ``self.store``.
-        self.layers = []
+        self.layers = []  # the base class' layer list is not used: storage is per layer in ``self.store``
         self.layer_class_to_replicate = None
         self.offloading = False
         self.num_layers = num_layers
@@ -161,6 +160,7 @@ class VarLenCache(ChunkCache):
         self.context_bytes: torch.Tensor | None = None  # (B,) bytes held per row after prefill
         self.cap = DecodeCap(compressor) if compressor.config.max_cache_tokens is not None else None
         self.pending: list[PendingLayer | None] = [None] * num_layers  # phases after LAYER, until compressed
+        self.streamed = StreamedLayers(self) if compressor.streams_across_layers else None  # instead of pending
         self.chunked: ChunkedCompression | None = None  # during a chunked prefill (begin_chunked_prefill)
         self.sliced: LayerSlices | None = None  # during a layer-by-layer prefill (begin_sliced_prefill)
 
@@ -297,20 +297,25 @@ class VarLenCache(ChunkCache):
 
     def compress_into(self, idx: int, module, observed, key, value, key_pos, scaling) -> None:
         """One layer's dense prefill K/V (B, H_kv, n, D) after its attention: compressed into the store
-        now (timed) when the method decides in ``Phase.LAYER``; else kept pending, and every layer is
-        compressed after the last one's attention (``PREFILL``) or when the engine brings the
-        reconstruction scores (``PASSES``, :meth:`finish_compression`)."""
+        now (timed) when the method decides in ``Phase.LAYER`` or streams across layers
+        (:mod:`pipeline.kv.streamed`); else kept pending, and every layer is compressed after the last
+        one's attention (``PREFILL``) or when the engine brings the reconstruction scores (``PASSES``,
+        :meth:`finish_compression`)."""
         phase = self.compressor.phase
-        if phase is not Phase.LAYER:
+        if phase is not Phase.LAYER and self.streamed is None:
             self.pending[idx] = PendingLayer(module, key, value, key_pos, scaling, observed)
             if idx == self.num_layers - 1 and phase is Phase.PREFILL:
                 self.finish_compression()
             return
         with BlockTimer(key.device) as timer:
-            selection = self.compressor.compress_observed(idx, module, observed, key, value, key_pos, scaling)
-            self._store_layer(idx, selection, key, value, key_pos)
+            if self.streamed is not None:  # a cross-layer budget, decided as the layers come
+                self.streamed.add_layer(idx, module, observed, key, value, key_pos, scaling)
+            else:
+                selection = self.compressor.compress_observed(idx, module, observed, key, value, key_pos, scaling)
+                self._store_layer(idx, selection, key, value, key_pos)
         self.compress_seconds += timer.seconds
         if idx == self.num_layers - 1:
+            self.streamed = None  # its per-layer scores are not needed after the prefill
             self._finish_context()
 
     @property

@@ -95,6 +95,21 @@ class Compressor:
         return self.config.phase
 
     @property
+    def streams_across_layers(self) -> bool:
+        """A cross-layer method whose layers are compressed as they come (:mod:`pipeline.kv.streamed`):
+        a scorer that scores each layer in its attention, an allocation that :attr:`~Allocation.streams`
+        and a :attr:`~Selection.nested` selection; not under the decode-time cap (it starts from one
+        selection's norms of every kept entry)."""
+        return (
+            self.config.compresses
+            and self.phase is Phase.PREFILL
+            and self.scorer.decides is Phase.LAYER
+            and self.allocation.streams
+            and self.selection.nested
+            and not self.needs_value_norms
+        )
+
+    @property
     def needs_hidden_states(self) -> bool:
         """The scorer reads each layer's attention input during the prefill (KVzap)."""
         return self.scorer is not None and self.scorer.needs_hidden_states
@@ -158,14 +173,23 @@ class Compressor:
             return self._keep_all(layer_idx, pending)
         ctx = self._context(layer_idx, pending)
         scores = self.scorer.score(ctx, self.scorer_options)
-        return self._select(ctx, scores, self.allocation.head_budgets(scores, ctx, self.allocation_options))
+        return self.select(ctx, scores, self.allocation.head_budgets(scores, ctx, self.allocation_options))
 
     def compress_model(self, layers: list[PendingLayer]) -> list[LayerSelection]:
         """Which entries of every layer each (row, KV head) keeps, deciding budgets across layers."""
-        contexts = [self._context(idx, layer) for idx, layer in enumerate(layers)]
-        scores = [self.scorer.score(ctx, self.scorer_options) for ctx in contexts]
-        budgets = self.allocation.model_head_budgets(scores, contexts, self.allocation_options)
-        return [self._select(ctx, s, b) for ctx, s, b in zip(contexts, scores, budgets)]
+        contexts, scores = zip(*(self.score_layer(idx, layer) for idx, layer in enumerate(layers)))
+        budgets = self.allocation.model_head_budgets(list(scores), list(contexts), self.allocation_options)
+        return [self.select(ctx, s, b) for ctx, s, b in zip(contexts, scores, budgets)]
+
+    def score_layer(self, layer_idx: int, layer: PendingLayer) -> tuple[LayerContext, torch.Tensor]:
+        """One layer's context and base scores (B, H_kv, n)."""
+        ctx = self._context(layer_idx, layer)
+        return ctx, self.scorer.score(ctx, self.scorer_options)
+
+    def prefix_budgets(self, scores: list[torch.Tensor], contexts: list[LayerContext], num_layers: int) -> list:
+        """Counts (B, H_kv) of the first layers of ``num_layers`` from their scores: upper bounds of
+        their final counts (:meth:`~pipeline.kv.parts.Allocation.prefix_head_budgets`)."""
+        return self.allocation.prefix_head_budgets(scores, contexts, num_layers, self.allocation_options)
 
     def raw_scores(self, layer_idx, module, observed, key, value, key_pos, scaling, context_lengths) -> torch.Tensor:
         """Base scores of one prefill chunk's entries (chunked prefill), (B, H_kv, T): as the scorer
@@ -242,7 +266,7 @@ class Compressor:
             selection_weighs_values=self.selection.weighs_by_value_norm,
             known_norms=None if known_norms is None else known_norms.view(bsz, heads, width),
         )
-        selected = self._select(ctx, scores, budget)
+        selected = self.select(ctx, scores, budget)
         return selected.keep, selected.norms
 
     def _context(self, layer_idx: int, layer: PendingLayer, context_lengths=None) -> LayerContext:
@@ -267,11 +291,19 @@ class Compressor:
             context_lengths=context_lengths,
         )
 
-    def _select(self, ctx: LayerContext, scores: torch.Tensor, head_budget: torch.Tensor) -> LayerSelection:
+    def select(self, ctx: LayerContext, scores: torch.Tensor, head_budget: torch.Tensor) -> LayerSelection:
+        """The selection's kept entries of one layer: scores (B, H_kv, n), head_budget (B, H_kv)."""
         keep, norms = self.selection.select(scores, head_budget, ctx, self.selection_options, self.norm_stats)
         if self.needs_value_norms:
             norms = self._all_norms(ctx.value, keep, ctx.projection(), norms)
         return LayerSelection(keep, norms, head_budget)
+
+    def kept_norms(self, ctx: LayerContext, selection: LayerSelection) -> torch.Tensor | None:
+        """(B, H_kv, n) projected value norms of every kept entry (NaN elsewhere) for a selection that
+        weighs by them (None otherwise): what it computed, completed."""
+        if not self.selection.weighs_by_value_norm:
+            return selection.norms
+        return self._all_norms(ctx.value, selection.keep, ctx.projection(), selection.norms)
 
     def _keep_all(self, layer_idx: int, layer: PendingLayer) -> LayerSelection:
         bsz, h_kv, n, dim = layer.key.shape

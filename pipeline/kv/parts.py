@@ -183,11 +183,24 @@ class Allocation(Part):
         allocation's knobs."""
         raise NotImplementedError
 
+    #: a ``Phase.PREFILL`` allocation whose counts from the first layers' scores (:meth:`prefix_head_budgets`)
+    #: never fall below what those layers finally keep, so the cache can compress each layer as it comes
+    #: and shrink earlier ones later (:mod:`pipeline.kv.streamed`) instead of holding the dense cache
+    streams: ClassVar[bool] = False
+
     def model_head_budgets(
         self, scores: list[torch.Tensor], contexts: list[LayerContext], options: BaseModel | None
     ) -> list[torch.Tensor]:
         """Every layer's counts from every layer's scores (list of (B, H_kv, n)) -> list of (B, H_kv)."""
         return [self.head_budgets(s, ctx, options) for s, ctx in zip(scores, contexts)]
+
+    def prefix_head_budgets(
+        self, scores: list[torch.Tensor], contexts: list[LayerContext], num_layers: int, options: BaseModel | None
+    ) -> list[torch.Tensor]:
+        """Counts of the first ``len(scores)`` of ``num_layers`` layers from their scores alone (an
+        allocation that :attr:`streams`): each at least what :meth:`model_head_budgets` gives that layer
+        once every layer is scored, and equal to it when ``len(scores) == num_layers``."""
+        raise NotImplementedError(f"allocation {self.name!r} does not stream across layers")
 
 
 class Selection(Part):
@@ -196,6 +209,9 @@ class Selection(Part):
     #: True when the selection weighs scores by the entries' projected value norms itself (CriticalKV);
     #: a scorer that would weigh by the value norm leaves it to the selection then (``LayerContext``)
     weighs_by_value_norm: ClassVar[bool] = False
+    #: choosing ``b' <= b`` entries from the ``b`` this selection chose gives what it chooses at ``b'``
+    #: from all of them (given the same scores), so a count that only falls can be applied in steps
+    nested: ClassVar[bool] = False
 
     def select(
         self,

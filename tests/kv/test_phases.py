@@ -1,8 +1,9 @@
 """When each method decides (pipeline.kv.phases): declared by the parts, run by the cache and the engine.
 
 A method decides at the latest of its parts' phases; the cache then holds at most one layer's
-dense K/V (LAYER), every layer's until the prefill forward's last attention (PREFILL), or every
-layer's until the engine brings the reconstruction scores (PASSES).
+dense K/V (LAYER, and PREFILL methods that stream across layers), every layer's until the prefill
+forward's last attention (PREFILL otherwise), or every layer's until the engine brings the
+reconstruction scores (PASSES).
 """
 
 import pytest
@@ -60,17 +61,20 @@ class _Watched(VarLenCache):
 
 
 @pytest.mark.parametrize(
-    "method, held, awaiting",
+    "method, knobs, held, awaiting",
     [
-        ("snapkv", [0, 0, 0], False),  # LAYER: each layer compressed after its own attention
-        ("layer-snapkv", [1, 2, 0], False),  # PREFILL: compressed after the last layer's attention
-        ("layer-kvzip", [1, 2, 3], True),  # PASSES: everything waits for the engine
+        ("snapkv", {}, [0, 0, 0], False),  # LAYER: each layer compressed after its own attention
+        # PREFILL with a per-layer scorer: streamed (each layer compressed as it comes, pipeline.kv.streamed)
+        ("layer-snapkv", {}, [0, 0, 0], False),
+        # PREFILL under the decode-time cap: compressed after the last layer's attention
+        ("layer-snapkv", {"max_cache_tokens": 12}, [1, 2, 0], False),
+        ("layer-kvzip", {}, [1, 2, 3], True),  # PASSES: everything waits for the engine
     ],
 )
-def test_the_cache_runs_each_phase_at_its_moment(method, held, awaiting):
+def test_the_cache_runs_each_phase_at_its_moment(method, knobs, held, awaiting):
     model = tiny_model("llama", layers=LAYERS)
     model.set_attn_implementation(register())
-    cache = _Watched(LAYERS, Compressor(CompressionConfig(method=method, cache_size=0.3, window=2)))
+    cache = _Watched(LAYERS, Compressor(CompressionConfig(method=method, cache_size=0.3, window=2, **knobs)))
     ids = torch.randint(0, 200, (2, 20), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     pos = torch.arange(20, device=DEVICE).expand(2, 20).clone()
     pos[1, :5] = -1  # the second row is left padded

@@ -9,7 +9,9 @@ window)`` entries by base score s (window included, as it scores +inf); stage 2 
 ``b_h - b1`` slots with the top entries by ``(s_i + eps) * m_i`` among those not chosen in stage 1.
 
 Exact L1 at lower cost: only stage-2 candidates that can reach stage 2's top k need m_i.
-Candidates are visited in decreasing order of ``(s_i + eps) * bound_i`` (the Jensen bound of
+Where every candidate's norm is already known (``known``, e.g. a layer shrinking to a smaller count,
+:mod:`pipeline.kv.streamed`) the top k is taken from them directly. Otherwise candidates are visited
+in decreasing order of ``(s_i + eps) * bound_i`` (the Jensen bound of
 :func:`~pipeline.kv.value_norms.l1_upper_bounds`); exact norms are computed for the first ~1.25 k of
 them, then for any remaining candidate whose bound still reaches the k-th best exact criticality.
 The result equals the exact top-k (threshold algorithm); on SmolLM2 about 2 k exact norms are
@@ -72,6 +74,9 @@ def criticality_topk(
         return (rank_desc(crit) < k[..., None]) & candidates, norms
 
     need = candidates & (k[..., None] > 0)
+    if not bool(torch.isnan(norms[need]).any()):  # every candidate's norm known: the exact top-k at once
+        crit = torch.where(need, weight * norms.nan_to_num(0.0), neg_inf)
+        return (rank_desc(crit) < k[..., None]) & need, norms
     bound = torch.where(need, weight * l1_upper_bounds(value, proj), neg_inf)
     first = topk_mask(bound, torch.ceil(k.double() * margin).long() + 8) & need
     t1 = time.perf_counter()
@@ -123,6 +128,9 @@ class CriticalKV(Selection):
     name = "criticalkv"
     options = CriticalKVOptions
     weighs_by_value_norm = True
+    # nested: both stages' counts grow with b_h, stage 1 is a top-k by score, and stage 2 ranks each entry
+    # by its own (s + eps) * m, so every entry chosen at b' <= b is among those chosen at b
+    nested = True
     summary = "two-stage selection by (s + eps) * ||V W_O|| (arXiv 2502.03805)"
 
     def select(self, scores, head_budget, ctx: LayerContext, options: CriticalKVOptions, stats):

@@ -17,6 +17,7 @@ def topk_select(scores: torch.Tensor, head_budget: torch.Tensor) -> torch.Tensor
 class TopK(Selection):
     name = "topk"
     summary = "top entries by base score"
+    nested = True  # the top b' of the top b are the top b'
 
     def select(self, scores, head_budget, ctx: LayerContext, options: None, stats):
         return topk_select(scores, head_budget), None
