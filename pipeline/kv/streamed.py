@@ -66,7 +66,8 @@ class StreamedLayers:
         compressor = self.cache.compressor
         ctx, scores = compressor.score_layer(idx, PendingLayer(module, key, value, key_pos, scaling, observed))
         self.scores.append(scores)
-        self.contexts.append(replace(ctx, key=None, value=None, observed=None))  # no dense K/V held
+        # without the dense K/V (the projection's closure holds them too): budgets, windows and lengths
+        self.contexts.append(replace(ctx, key=None, value=None, observed=None, projection=None))
         self.modules.append(module)
         counts = compressor.prefix_budgets(self.scores, self.contexts, self.cache.num_layers)
         selection = compressor.select(ctx, scores, counts[idx])

@@ -3,13 +3,15 @@
 * every method that streams (a per-layer scorer, the ``layer`` allocation, a nested selection; taken
   from the registries) keeps, on a 4-layer tiny model at batch 2 with left padding, the positions that
   ``Compressor.compress_model`` chooses from every layer's dense K/V at once;
-* after every layer the store holds at most the final cache's entries per row (L * H_kv * b) plus one
-  layer's, after the last exactly the final cache, and earlier layers really shrink on the way (the
-  test would pass vacuously otherwise);
+* no layer's dense K/V outlives its layer's compression; after every layer the store holds at most the final
+  cache's entries per row (L * H_kv * b) plus one layer's, after the last exactly the final cache;
+  earlier layers really shrink on the way (the test would pass vacuously otherwise);
 * the allocation's prefix counts bound its final counts from above and equal them at the last layer;
 * every selection declared ``nested`` chooses from its own larger choice what it chooses from all
   entries (random tensors, many budgets).
 """
+
+import weakref
 
 import pytest
 import torch
@@ -62,9 +64,14 @@ class _Watched(VarLenCache):
         super().__init__(*args)
         self.held: list[torch.Tensor] = []
         self.per_layer: list[list[int]] = []
+        self.dense_keys: list[weakref.ref] = []
+        self.outlived = 0  # earlier layers' dense K/V alive after a later layer's compression
 
     def compress_into(self, idx, *args) -> None:
+        self.dense_keys.append(weakref.ref(args[2]))  # (module, observed, key, value, key_pos, scaling)
         super().compress_into(idx, *args)
+        # earlier layers' attention calls have returned: nothing may hold their dense K/V (no cycles: refcounts)
+        self.outlived += sum(ref() is not None for ref in self.dense_keys[:-1])
         stored = [layer for layer in self.store if layer is not None]
         self.held.append(sum(layer.entries_per_row() for layer in stored))
         self.per_layer.append([int(layer.entries_per_row().sum()) for layer in stored])
@@ -94,7 +101,8 @@ def test_streamed_keeps_what_the_dense_cache_keeps(arch, method, cache_size):
         [PendingLayer(c.module, c.key, c.value, c.key_pos, c.scaling, c.observed[0]) for c in capture.captured]
     )
     cache = _Watched(LAYERS, compressor)
-    run_chunk(model, cache, ids, pos)
+    with torch.no_grad():  # as the engine runs (autograd would keep the dense K/V in its graph)
+        run_chunk(model, cache, ids, pos)
     assert all(p is None for p in cache.pending) and cache.streamed is None
     heads = model.config.num_key_value_heads
     for layer, selection in enumerate(dense):
@@ -112,6 +120,7 @@ def test_streamed_keeps_what_the_dense_cache_keeps(arch, method, cache_size):
         after < before for prev, cur in zip(cache.per_layer, cache.per_layer[1:]) for before, after in zip(prev, cur)
     )
     assert shrank, "no earlier layer shrank: the test does not exercise the streaming"
+    assert cache.outlived == 0, "a layer's dense K/V outlived its layer"
 
 
 def _scores(layers: int, heads: int, n: int, seed: int) -> list[torch.Tensor]:
