@@ -160,7 +160,7 @@ class VarLenCache(ChunkCache):
         self.context_bytes: torch.Tensor | None = None  # (B,) bytes held per row after prefill
         self.cap = DecodeCap(compressor) if compressor.config.max_cache_tokens is not None else None
         self.pending: list[PendingLayer | None] = [None] * num_layers  # phases after LAYER, until compressed
-        self.streamed = StreamedLayers(self) if compressor.streams_across_layers else None  # instead of pending
+        self.streamed: StreamedLayers | None = None  # a streamed cross-layer prefill's state (instead of pending)
         self.chunked: ChunkedCompression | None = None  # during a chunked prefill (begin_chunked_prefill)
         self.sliced: LayerSlices | None = None  # during a layer-by-layer prefill (begin_sliced_prefill)
 
@@ -195,8 +195,7 @@ class VarLenCache(ChunkCache):
         self.chunked = ChunkedCompression(self, BlockTimer, lengths.to(torch.long))
 
     def compress_chunk(self, seen: torch.Tensor) -> None:
-        """After a chunk's forward (``seen``: (B,) each row's tokens so far): compress every layer
-        to the budget ``chunk_budget`` names."""
+        """After a chunk's forward (``seen``: (B,) tokens so far per row): compress to ``chunk_budget``."""
         with BlockTimer(seen.device) as timer:
             self.chunked.compress(seen)
         self.compress_seconds += timer.seconds
@@ -266,9 +265,8 @@ class VarLenCache(ChunkCache):
         kernel = choose_kernel(query, need_probs=track, forced=self.kernels.varlen)
         dense = layer.dense_view() if query.shape[2] == 1 and kernel != "flash" and not track else None
         if dense is not None:
-            # one new token per row over a uniform, padding-free cache: every held entry precedes
-            # it, so no mask is needed and the store is read in place (grouped matmuls unless SDPA
-            # is forced)
+            # one new token per row over a uniform, padding-free cache: every held entry precedes it, so
+            # no mask is needed and the store is read in place (grouped matmuls unless SDPA is forced)
             keys, values = dense
             if dense_decode_kernel(kernel, self.kernels.dense) == "sdpa":
                 out = F.scaled_dot_product_attention(
@@ -302,6 +300,8 @@ class VarLenCache(ChunkCache):
         one's attention (``PREFILL``) or when the engine brings the reconstruction scores (``PASSES``,
         :meth:`finish_compression`)."""
         phase = self.compressor.phase
+        if idx == 0 and self.compressor.streams_across_layers:  # made per prefill: it refers back to the cache
+            self.streamed = StreamedLayers(self)
         if phase is not Phase.LAYER and self.streamed is None:
             self.pending[idx] = PendingLayer(module, key, value, key_pos, scaling, observed)
             if idx == self.num_layers - 1 and phase is Phase.PREFILL:
@@ -315,7 +315,7 @@ class VarLenCache(ChunkCache):
                 self._store_layer(idx, selection, key, value, key_pos)
         self.compress_seconds += timer.seconds
         if idx == self.num_layers - 1:
-            self.streamed = None  # its per-layer scores are not needed after the prefill
+            self.streamed = None  # its scores are not needed after the prefill (nor its reference back)
             self._finish_context()
 
     @property

@@ -83,6 +83,10 @@ def test_the_streaming_methods_are_the_cross_layer_ones_with_a_per_layer_scorer(
     model = tiny_model("llama", layers=LAYERS)
     for method in STREAMING:
         assert _compressor(model, method, 0.2).streams_across_layers, method
+    idle = VarLenCache(LAYERS, _compressor(model, "criticalkv-layer-kvzap", 0.2))  # as rows regrouped for decoding
+    gone = weakref.ref(idle)
+    del idle  # it holds no streaming state, so no cycle through it: refcounting frees it at once
+    assert gone() is None
     capped = CompressionConfig(method="layer-snapkv", cache_size=0.2, window=2, max_cache_tokens=12)
     assert not Compressor(capped).streams_across_layers  # the decode-time cap starts from one selection
 
@@ -121,6 +125,9 @@ def test_streamed_keeps_what_the_dense_cache_keeps(arch, method, cache_size):
     )
     assert shrank, "no earlier layer shrank: the test does not exercise the streaming"
     assert cache.outlived == 0, "a layer's dense K/V outlived its layer"
+    gone = weakref.ref(cache)
+    del cache  # no reference cycle left: refcounting alone frees the cache (and its store) at once
+    assert gone() is None
 
 
 def _scores(layers: int, heads: int, n: int, seed: int) -> list[torch.Tensor]:
