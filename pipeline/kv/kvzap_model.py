@@ -14,9 +14,8 @@ with ``f = (log(1 + p), log(1 + n - 1 - p), log n)`` (p the entry's position, n 
 length; :func:`position_features`). KVzip's scores fall with the distance from the context's end
 (its reconstruction queries come after the context), which h_i cannot know under causal attention:
 on held-out calibration documents of SmolLM2 the term lifts the linear predictor's R^2 from 0.44 to
-0.70, but the kept sets then lean to the context's end as KVzip's do, which answers RULER worse at
-cache 0.4 (docs/results/kvzap-positions/README.md), so the shipped file predicts from h alone, as
-KVzap does (calibration option ``positions``).
+0.70, but answers RULER worse at cache 0.4 (docs/results/kvzap-positions/README.md), so the shipped
+file predicts from h alone, as KVzap does (calibration option ``positions``).
 
 ``shares`` (S, L, H_kv) are what a global top-k of the true scores over every layer and head (the
 ``layer`` allocation) gives each (layer, KV head) on calibration documents, as a multiple of the

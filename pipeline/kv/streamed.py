@@ -89,18 +89,16 @@ class StreamedLayers:
             for j in range(idx):
                 self._shrink(j, counts[j])
             return
-        allowed = sum(c.sum(-1) for c in counts)  # (B,)
-
-        def over() -> torch.Tensor:  # (B,) entries held beyond the counts so far
-            return sum(self._held(j) for j in range(idx + 1)).sum(-1) - allowed
-
-        if not bool((over() > slack).any()):
+        held = [self._held(j).sum(-1) for j in range(idx + 1)]  # (B,) entries per row, per layer
+        over = sum(held) - sum(c.sum(-1) for c in counts)  # (B,) held beyond the counts so far
+        if not bool((over > slack).any()):
             return
         excess = [int((self._held(j) - counts[j]).clamp(min=0).sum()) for j in range(idx)]
         for j in sorted(range(idx), key=lambda j: -excess[j]):
-            if not bool((over() > slack // 2).any()):
+            if not bool((over > slack // 2).any()):
                 return
             self._shrink(j, counts[j])
+            over = over - (held[j] - self._held(j).sum(-1))
 
     def _held(self, idx: int) -> torch.Tensor:
         """(B, H_kv) entries layer ``idx`` holds."""

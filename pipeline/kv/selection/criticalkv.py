@@ -74,7 +74,7 @@ def criticality_topk(
         return (rank_desc(crit) < k[..., None]) & candidates, norms
 
     need = candidates & (k[..., None] > 0)
-    if not bool(torch.isnan(norms[need]).any()):  # every candidate's norm known: the exact top-k at once
+    if known is not None and not bool(torch.isnan(norms[need]).any()):  # every candidate's norm known
         crit = torch.where(need, weight * norms.nan_to_num(0.0), neg_inf)
         return (rank_desc(crit) < k[..., None]) & need, norms
     bound = torch.where(need, weight * l1_upper_bounds(value, proj), neg_inf)
