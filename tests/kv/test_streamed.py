@@ -150,9 +150,10 @@ def test_prefix_counts_bound_the_final_counts(name, seed):
     scores = _scores(layers, heads, n, seed)
     budget = torch.tensor([6, 4])
     ctx = LayerContext(0, None, None, None, 1.0, torch.tensor([n, n - PAD]), budget, torch.tensor([2, 2]), None, None)
-    final = allocation.model_head_budgets(scores, [ctx] * layers, None)
+    options = allocation.options_from(CompressionConfig(method=method_name("snapkv", allocation=name), cache_size=0.2))
+    final = allocation.model_head_budgets(scores, [ctx] * layers, options)
     for seen in range(1, layers + 1):
-        prefix = allocation.prefix_head_budgets(scores[:seen], [ctx] * seen, layers, None)
+        prefix = allocation.prefix_head_budgets(scores[:seen], [ctx] * seen, layers, options)
         assert all(bool((p >= f).all()) for p, f in zip(prefix, final))
         assert bool((sum(p.sum(-1) for p in prefix) <= budget * layers * heads).all())
     assert all(torch.equal(p, f) for p, f in zip(prefix, final))
