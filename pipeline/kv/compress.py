@@ -17,6 +17,7 @@ beyond ``o_proj``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -295,7 +296,7 @@ class Compressor:
         """The selection's kept entries of one layer: scores (B, H_kv, n), head_budget (B, H_kv)."""
         keep, norms = self.selection.select(scores, head_budget, ctx, self.selection_options, self.norm_stats)
         if self.needs_value_norms:
-            norms = self._all_norms(ctx.value, keep, ctx.projection(), norms)
+            norms = self._all_norms(ctx.value, keep, ctx.projection, norms)
         return LayerSelection(keep, norms, head_budget)
 
     def kept_norms(self, ctx: LayerContext, selection: LayerSelection) -> torch.Tensor | None:
@@ -303,7 +304,7 @@ class Compressor:
         weighs by them (None otherwise): what it computed, completed."""
         if not self.selection.weighs_by_value_norm:
             return selection.norms
-        return self._all_norms(ctx.value, selection.keep, ctx.projection(), selection.norms)
+        return self._all_norms(ctx.value, selection.keep, ctx.projection, selection.norms)
 
     def _keep_all(self, layer_idx: int, layer: PendingLayer) -> LayerSelection:
         bsz, h_kv, n, dim = layer.key.shape
@@ -311,18 +312,24 @@ class Compressor:
         budget = (layer.key_pos >= 0).sum(-1)[:, None].expand(bsz, h_kv).clone()
         norms = None
         if self.needs_value_norms:
-            norms = self._all_norms(layer.value, keep, self.projection(layer_idx, layer.module, h_kv, dim))
+            norms = self._all_norms(layer.value, keep, lambda: self.projection(layer_idx, layer.module, h_kv, dim))
         return LayerSelection(keep, norms, budget)
 
     def _all_norms(
-        self, value: torch.Tensor, keep: torch.Tensor, proj: OutputProjection, norms: torch.Tensor | None = None
+        self,
+        value: torch.Tensor,
+        keep: torch.Tensor,
+        projection: Callable[[], OutputProjection],
+        norms: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Projected norms for every kept entry (the decode-time cap needs them)."""
+        """Projected norms for every kept entry (the decode-time cap and streamed shrinks need them);
+        ``projection`` builds the layer's W_O slices, called only when a norm is missing."""
         if norms is None:
             norms = torch.full(keep.shape, float("nan"), dtype=torch.float32, device=keep.device)
         missing = keep & torch.isnan(norms)
         if not bool(missing.any()):
             return norms
+        proj = projection()
         if self.config.norm == "l2":
             return torch.where(torch.isnan(norms), entry_norms(value, proj, "l2"), norms)
         norms_for_mask(value, proj, missing, norms)

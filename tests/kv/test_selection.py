@@ -95,6 +95,36 @@ def test_two_stage_selection_matches_reference(budget, alpha, eps, norm):
         assert stats.exact < stats.candidates  # pruning skipped entries that could not be selected
 
 
+def test_two_stage_selection_builds_the_projection_only_when_a_norm_is_missing():
+    """A streamed shrink hands every norm in: the layer's W_O slices are then not built (they are
+    cached for the latest layer only), and the kept entries are those of the eager call."""
+    h_kv, n, d, hidden, w = 2, 40, 8, 16, 3
+    torch.manual_seed(5)
+    scores = torch.rand(1, h_kv, n) ** 3
+    scores[..., n - w :] = float("inf")
+    value = torch.randn(1, h_kv, n, d)
+    proj = OutputProjection.from_weight(torch.randn(hidden, h_kv * d), h_kv, d)
+    budget, window = torch.full((1, h_kv), 12), torch.tensor([w])
+    want, _ = two_stage_select(scores, budget, window, value, proj, 0.5, 1e-4, "l1")
+    known = l1_norms_of_all(value, proj)
+    calls = []
+
+    def build():
+        calls.append(1)
+        return proj
+
+    keep, _ = two_stage_select(scores, budget, window, value, build, 0.5, 1e-4, "l1", known=known)
+    assert torch.equal(keep, want) and calls == []
+    keep, _ = two_stage_select(scores, budget, window, value, build, 0.5, 1e-4, "l1")
+    assert torch.equal(keep, want) and calls == [1]
+
+
+def l1_norms_of_all(value, proj):
+    out = torch.empty(value.shape[:3])
+    norms_for_mask(value, proj, torch.ones(value.shape[:3], dtype=torch.bool), out)
+    return out
+
+
 def test_criticalkv_keeps_stage1_and_budget():
     torch.manual_seed(8)
     scores = torch.rand(2, 2, 50)

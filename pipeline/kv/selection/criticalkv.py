@@ -21,6 +21,7 @@ computed instead of n. The ``l2`` norm uses the per-head Gram form directly (exa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -42,7 +43,7 @@ class CriticalKVOptions(BaseModel):
 def criticality_topk(
     scores: torch.Tensor,
     value: torch.Tensor,
-    proj: OutputProjection,
+    proj: OutputProjection | Callable[[], OutputProjection],
     candidates: torch.Tensor,
     k: torch.Tensor,
     epsilon: float,
@@ -54,7 +55,9 @@ def criticality_topk(
     """Stage 2: per (row, head) pick the top ``k`` candidates by ``(s + eps) * m``.
 
     scores: (B, H, n) finite on candidates; value: (B, H, n, D); candidates: (B, H, n) bool;
-    k: (B, H) long; known: (B, H, n) L1 norms already computed (NaN where not), not computed again.
+    k: (B, H) long; known: (B, H, n) L1 norms already computed (NaN where not), not computed again;
+    proj: the layer's W_O slices, or a callable giving them, called only when a norm must be computed
+    (a shrink whose every norm is known needs none, :mod:`pipeline.kv.streamed`).
     Returns (chosen (B, H, n) bool, norms (B, H, n) float32, NaN where m was not computed). Ties go
     to the earlier position (deterministic, the same at any padding).
     """
@@ -67,7 +70,7 @@ def criticality_topk(
     neg_inf = torch.tensor(float("-inf"), device=scores.device)
     t0 = time.perf_counter()
     if norm == "l2":
-        norms = l2_norms(value, proj)
+        norms = l2_norms(value, resolve(proj))
         stats.exact_s += time.perf_counter() - t0
         stats.candidates += int(candidates.sum())
         crit = torch.where(candidates, weight * norms, neg_inf)
@@ -77,6 +80,7 @@ def criticality_topk(
     if known is not None and not bool(torch.isnan(norms[need]).any()):  # every candidate's norm known
         crit = torch.where(need, weight * norms.nan_to_num(0.0), neg_inf)
         return (rank_desc(crit) < k[..., None]) & need, norms
+    proj = resolve(proj)
     bound = torch.where(need, weight * l1_upper_bounds(value, proj), neg_inf)
     first = topk_mask(bound, torch.ceil(k.double() * margin).long() + 8) & need
     t1 = time.perf_counter()
@@ -95,12 +99,17 @@ def criticality_topk(
     return (rank_desc(crit) < k[..., None]) & need, norms
 
 
+def resolve(proj: OutputProjection | Callable[[], OutputProjection]) -> OutputProjection:
+    """The projection itself, from itself or from the callable that builds it."""
+    return proj if isinstance(proj, OutputProjection) else proj()
+
+
 def two_stage_select(
     scores: torch.Tensor,
     head_budget: torch.Tensor,
     row_window: torch.Tensor,
     value: torch.Tensor,
-    proj: OutputProjection,
+    proj: OutputProjection | Callable[[], OutputProjection],
     first_stage_ratio: float,
     epsilon: float,
     norm: str,
@@ -139,7 +148,7 @@ class CriticalKV(Selection):
             head_budget,
             ctx.row_window,
             ctx.value,
-            ctx.projection(),
+            ctx.projection,  # built only if a norm must be computed
             options.first_stage_ratio,
             options.epsilon,
             options.norm,
