@@ -369,6 +369,10 @@ ALLOCATION_REFERENCES = {
     "layer": lambda s, b, w, n, cfg, priors, **_: layer_reference(s, b),
     "layerfloor": lambda s, b, w, n, cfg, priors, **_: layerfloor_reference(s, b, cfg.alpha_safeguard),
     "shares": lambda s, b, w, n, cfg, priors, shares=None: shares_reference(shares[0], shares[1], b, w, n, *shares[2:]),
+    "layershares": lambda s, b, w, n, cfg, priors, shares=None: [
+        [(x + y) // 2 for x, y in zip(own, table)]
+        for own, table in zip(layer_reference(s, b), shares_reference(shares[0], shares[1], b, w, n, *shares[2:]))
+    ],
 }
 # Selections: (scores [n], value (n, D), o_weight, kv_head, groups, head_dim, budget, window, config) -> kept indices.
 SELECTION_REFERENCES = {

@@ -30,7 +30,7 @@ from pipeline.kv.rope import model_rotary
 from pipeline.kv.scorers import SCORERS
 from pipeline.kv.selection import SELECTIONS
 from pipeline.kv.value_norms import NormStats, OutputProjection
-from tests.tiny import DEVICE, tiny_kvzap_for, tiny_model
+from tests.tiny import DEVICE, tiny_kvzap, tiny_kvzap_for, tiny_model
 
 LAYERS, N, PAD = 4, 40, 9
 STREAMING = [
@@ -149,11 +149,17 @@ def test_prefix_counts_bound_the_final_counts(name, seed):
     layers, heads, n = 5, 3, 30
     scores = _scores(layers, heads, n, seed)
     budget = torch.tensor([6, 4])
-    ctx = LayerContext(0, None, None, None, 1.0, torch.tensor([n, n - PAD]), budget, torch.tensor([2, 2]), None, None)
+    kvzap = tiny_kvzap(layers, heads, 8, seed) if allocation.needs_kvzap_model else None
+    contexts = [
+        LayerContext(i, None, None, None, 1.0, torch.tensor([n, n - PAD]), budget, torch.tensor([2, 2]), None, None)
+        for i in range(layers)
+    ]
+    for ctx in contexts:
+        ctx.kvzap = kvzap
     options = allocation.options_from(CompressionConfig(method=method_name("snapkv", allocation=name), cache_size=0.2))
-    final = allocation.model_head_budgets(scores, [ctx] * layers, options)
+    final = allocation.model_head_budgets(scores, contexts, options)
     for seen in range(1, layers + 1):
-        prefix = allocation.prefix_head_budgets(scores[:seen], [ctx] * seen, layers, options)
+        prefix = allocation.prefix_head_budgets(scores[:seen], contexts[:seen], layers, options)
         assert all(bool((p >= f).all()) for p, f in zip(prefix, final))
         assert bool((sum(p.sum(-1) for p in prefix) <= budget * layers * heads).all())
     assert all(torch.equal(p, f) for p, f in zip(prefix, final))

@@ -39,6 +39,16 @@ def shares_head_budgets(
     return torch.stack(out).to(row_budget.device)
 
 
+def table_head_budgets(ctx: LayerContext) -> torch.Tensor:
+    """(B, H_kv) long counts of layer ``ctx.layer_idx`` from the KVzap file's shares at each row's kept
+    fraction and length (needs only the context's budgets, windows, lengths and KVzap model)."""
+    if ctx.kvzap is None:
+        raise ValueError("the shares table needs a KVzap model file (compression.kvzap_model)")
+    fractions = ctx.row_budget.double() / ctx.lengths.clamp(min=1).double()
+    shares = ctx.kvzap.shares_at(fractions, ctx.lengths)
+    return shares_head_budgets(shares, ctx.layer_idx, ctx.row_budget, ctx.row_window, ctx.lengths)
+
+
 class SharesAllocation(Allocation):
     name = "shares"
     options = KVzapModelOptions
@@ -46,8 +56,4 @@ class SharesAllocation(Allocation):
     needs_kvzap_model = True
 
     def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: KVzapModelOptions) -> torch.Tensor:
-        if ctx.kvzap is None:
-            raise ValueError("allocation 'shares' needs a KVzap model file (compression.kvzap_model)")
-        fractions = ctx.row_budget.double() / ctx.lengths.clamp(min=1).double()
-        shares = ctx.kvzap.shares_at(fractions, ctx.lengths)
-        return shares_head_budgets(shares, ctx.layer_idx, ctx.row_budget, ctx.row_window, ctx.lengths)
+        return table_head_budgets(ctx)
