@@ -52,21 +52,37 @@ def top_entries(flat: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return chosen
 
 
-class LayerAllocation(Allocation):
-    name = "layer"
+class CrossLayerAllocation(Allocation):
+    """An allocation whose counts need every layer's scores and that streams: its counts over the
+    first layers (:meth:`counts` with the model's layer count) bound their final counts from above."""
+
     decides = Phase.PREFILL
     streams = True
-    summary = "one top-k over all layers and heads decides each layer's and head's count (arXiv 2510.13334)"
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: None) -> torch.Tensor:
-        raise RuntimeError("the layer allocation needs every layer's scores (model_head_budgets)")
+    def counts(
+        self, scores: list[torch.Tensor], contexts: list[LayerContext], num_layers: int, options
+    ) -> list[torch.Tensor]:
+        """Per layer (B, H_kv) long counts of the ``len(scores)`` layers scored so far (list of
+        (B, H_kv, n)) of a model of ``num_layers``; final when every layer is scored."""
+        raise NotImplementedError
+
+    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options) -> torch.Tensor:
+        raise RuntimeError(f"the {self.name} allocation needs every layer's scores (model_head_budgets)")
 
     def model_head_budgets(
-        self, scores: list[torch.Tensor], contexts: list[LayerContext], options: None
+        self, scores: list[torch.Tensor], contexts: list[LayerContext], options
     ) -> list[torch.Tensor]:
-        return layer_head_budgets(scores, contexts[0].row_budget)
+        return self.counts(scores, contexts, len(scores), options)
 
     def prefix_head_budgets(
-        self, scores: list[torch.Tensor], contexts: list[LayerContext], num_layers: int, options: None
+        self, scores: list[torch.Tensor], contexts: list[LayerContext], num_layers: int, options
     ) -> list[torch.Tensor]:
+        return self.counts(scores, contexts, num_layers, options)
+
+
+class LayerAllocation(CrossLayerAllocation):
+    name = "layer"
+    summary = "one top-k over all layers and heads decides each layer's and head's count (arXiv 2510.13334)"
+
+    def counts(self, scores, contexts, num_layers, options: None) -> list[torch.Tensor]:
         return layer_head_budgets(scores, contexts[0].row_budget, num_layers)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..parts import Allocation, LayerContext
-from ..phases import Phase
 from .common import SafeguardOptions
-from .layer import layer_head_budgets
+from .layer import CrossLayerAllocation, layer_head_budgets
 
 
 def guaranteed_first(scores: torch.Tensor, row_budget: torch.Tensor, alpha_safeguard: float) -> torch.Tensor:
@@ -46,22 +44,10 @@ def floored_layer_head_budgets(
     return layer_head_budgets(priorities, row_budget, num_layers)
 
 
-class LayerFloorAllocation(Allocation):
+class LayerFloorAllocation(CrossLayerAllocation):
     name = "layerfloor"
     options = SafeguardOptions
-    decides = Phase.PREFILL
-    streams = True
     summary = "one top-k over all layers and heads, each head floored at alpha_safeguard * b (arXiv 2407.11550)"
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: SafeguardOptions) -> torch.Tensor:
-        raise RuntimeError("the layerfloor allocation needs every layer's scores (model_head_budgets)")
-
-    def model_head_budgets(
-        self, scores: list[torch.Tensor], contexts: list[LayerContext], options: SafeguardOptions
-    ) -> list[torch.Tensor]:
-        return floored_layer_head_budgets(scores, contexts[0].row_budget, options.alpha_safeguard)
-
-    def prefix_head_budgets(
-        self, scores: list[torch.Tensor], contexts: list[LayerContext], num_layers: int, options: SafeguardOptions
-    ) -> list[torch.Tensor]:
+    def counts(self, scores, contexts, num_layers, options: SafeguardOptions) -> list[torch.Tensor]:
         return floored_layer_head_budgets(scores, contexts[0].row_budget, options.alpha_safeguard, num_layers)

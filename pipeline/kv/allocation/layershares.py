@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..kvzap_model import KVzapModelOptions
-from ..parts import Allocation, LayerContext
-from ..phases import Phase
-from .layer import layer_head_budgets
+from ..parts import LayerContext
+from .layer import CrossLayerAllocation, layer_head_budgets
 from .shares import table_head_budgets
 
 
@@ -31,24 +30,11 @@ def shrunk_to_table(counts: list[torch.Tensor], contexts: list[LayerContext]) ->
     return [torch.div(c + t.to(c.device), 2, rounding_mode="floor") for c, t in zip(counts, table)]
 
 
-class LayerSharesAllocation(Allocation):
+class LayerSharesAllocation(CrossLayerAllocation):
     name = "layershares"
     options = KVzapModelOptions
-    decides = Phase.PREFILL
-    streams = True
     needs_kvzap_model = True
     summary = "mean of the layer allocation's counts and the calibrated shares table's (shrinkage)"
 
-    def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: KVzapModelOptions) -> torch.Tensor:
-        raise RuntimeError("the layershares allocation needs every layer's scores (model_head_budgets)")
-
-    def model_head_budgets(
-        self, scores: list[torch.Tensor], contexts: list[LayerContext], options: KVzapModelOptions
-    ) -> list[torch.Tensor]:
-        return shrunk_to_table(layer_head_budgets(scores, contexts[0].row_budget), contexts)
-
-    def prefix_head_budgets(
-        self, scores: list[torch.Tensor], contexts: list[LayerContext], num_layers: int, options: KVzapModelOptions
-    ) -> list[torch.Tensor]:
-        counts = layer_head_budgets(scores, contexts[0].row_budget, num_layers)
-        return shrunk_to_table(counts, contexts)
+    def counts(self, scores, contexts, num_layers, options: KVzapModelOptions) -> list[torch.Tensor]:
+        return shrunk_to_table(layer_head_budgets(scores, contexts[0].row_budget, num_layers), contexts)
