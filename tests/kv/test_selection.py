@@ -13,7 +13,7 @@ from pipeline.kv.allocation.layerfloor import floored_layer_head_budgets
 from pipeline.kv.scorers.snapkv import snapkv_scores
 from pipeline.kv.scorers.streamingllm import streamingllm_scores
 from pipeline.kv.selection.criticalkv import two_stage_select
-from pipeline.kv.value_norms import NormStats, OutputProjection, l2_norms, norms_for_mask
+from pipeline.kv.value_norms import NormStats, OutputProjection, entry_norms, l2_norms, norms_for_mask
 
 from .reference import (
     adakv_reference,
@@ -106,7 +106,7 @@ def test_two_stage_selection_builds_the_projection_only_when_a_norm_is_missing()
     proj = OutputProjection.from_weight(torch.randn(hidden, h_kv * d), h_kv, d)
     budget, window = torch.full((1, h_kv), 12), torch.tensor([w])
     want, _ = two_stage_select(scores, budget, window, value, proj, 0.5, 1e-4, "l1")
-    known = l1_norms_of_all(value, proj)
+    known = entry_norms(value, proj, "l1")
     calls = []
 
     def build():
@@ -117,12 +117,6 @@ def test_two_stage_selection_builds_the_projection_only_when_a_norm_is_missing()
     assert torch.equal(keep, want) and calls == []
     keep, _ = two_stage_select(scores, budget, window, value, build, 0.5, 1e-4, "l1")
     assert torch.equal(keep, want) and calls == [1]
-
-
-def l1_norms_of_all(value, proj):
-    out = torch.empty(value.shape[:3])
-    norms_for_mask(value, proj, torch.ones(value.shape[:3], dtype=torch.bool), out)
-    return out
 
 
 def test_criticalkv_keeps_stage1_and_budget():

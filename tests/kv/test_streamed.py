@@ -150,12 +150,10 @@ def test_prefix_counts_bound_the_final_counts(name, seed):
     scores = _scores(layers, heads, n, seed)
     budget = torch.tensor([6, 4])
     kvzap = tiny_kvzap(layers, heads, 8, seed) if allocation.needs_kvzap_model else None
+    lengths, window = torch.tensor([n, n - PAD]), torch.tensor([2, 2])
     contexts = [
-        LayerContext(i, None, None, None, 1.0, torch.tensor([n, n - PAD]), budget, torch.tensor([2, 2]), None, None)
-        for i in range(layers)
+        LayerContext(i, None, None, None, 1.0, lengths, budget, window, None, None, kvzap=kvzap) for i in range(layers)
     ]
-    for ctx in contexts:
-        ctx.kvzap = kvzap
     options = allocation.options_from(CompressionConfig(method=method_name("snapkv", allocation=name), cache_size=0.2))
     final = allocation.model_head_budgets(scores, contexts, options)
     for seen in range(1, layers + 1):

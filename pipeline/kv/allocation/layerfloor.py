@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ranking import topk_mask
 from .common import SafeguardOptions
 from .layer import CrossLayerAllocation, layer_head_budgets
 
@@ -21,17 +22,12 @@ from .layer import CrossLayerAllocation, layer_head_budgets
 def guaranteed_first(scores: torch.Tensor, row_budget: torch.Tensor, alpha_safeguard: float) -> torch.Tensor:
     """scores: (B, H, n) base scores (+inf window, -inf padding); row_budget: (B,).
 
-    Returns (B, H, n) priorities: each head's ``floor(alpha_safeguard * b)`` best finite entries raised
-    to +inf, the rest unchanged (which of equal scores is raised changes no head's count)."""
+    Returns (B, H, n) priorities: of each head's ``floor(alpha_safeguard * b)`` best entries (its +inf
+    window among them) the finite ones raised to +inf, the rest unchanged (which of equal scores is
+    raised changes no head's count, so ``topk_mask``'s unspecified tie order is safe here)."""
     safe = torch.floor(row_budget.double() * alpha_safeguard).to(torch.long)  # (B,)
-    priority = scores.clone()
-    for b in range(scores.shape[0]):
-        take = min(int(safe[b]), scores.shape[-1])
-        if take <= 0:
-            continue
-        best = torch.zeros_like(scores[b], dtype=torch.bool).scatter_(-1, scores[b].topk(take, dim=-1).indices, True)
-        priority[b] = scores[b].masked_fill(best & torch.isfinite(scores[b]), float("inf"))
-    return priority
+    best = topk_mask(scores, safe[:, None].expand(scores.shape[:2]))
+    return scores.masked_fill(best & torch.isfinite(scores), float("inf"))
 
 
 def floored_layer_head_budgets(

@@ -19,15 +19,15 @@ import torch
 from ..kvzap_model import KVzapModelOptions
 from ..parts import LayerContext
 from .layer import CrossLayerAllocation, layer_head_budgets
-from .shares import table_head_budgets
+from .shares import table_counts
 
 
 def shrunk_to_table(counts: list[torch.Tensor], contexts: list[LayerContext]) -> list[torch.Tensor]:
     """counts: per layer (B, H_kv) of the ``layer`` allocation; contexts: those layers' contexts (the
     layer index, the rows' budgets, windows and lengths, the KVzap file's shares). Returns per layer
-    (B, H_kv) long ``floor((counts + table counts) / 2)``."""
-    table = [table_head_budgets(ctx) for ctx in contexts]
-    return [torch.div(c + t.to(c.device), 2, rounding_mode="floor") for c, t in zip(counts, table)]
+    (B, H_kv) long ``floor((counts + table counts) / 2)``; the table is computed once for all layers."""
+    table = table_counts(contexts[0])  # (B, L, H_kv)
+    return [torch.div(c + table[:, ctx.layer_idx], 2, rounding_mode="floor") for c, ctx in zip(counts, contexts)]
 
 
 class LayerSharesAllocation(CrossLayerAllocation):

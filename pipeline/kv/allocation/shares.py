@@ -23,10 +23,11 @@ from ..parts import Allocation, LayerContext
 from .headkv import water_fill
 
 
-def shares_head_budgets(
-    shares: torch.Tensor, layer_idx: int, row_budget: torch.Tensor, row_window: torch.Tensor, lengths: torch.Tensor
+def shares_counts(
+    shares: torch.Tensor, row_budget: torch.Tensor, row_window: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:
-    """shares: (B, L, H) non-negative per row -> (B, H) long counts of layer ``layer_idx``."""
+    """shares: (B, L, H) non-negative per row -> (B, L, H) long counts of every layer (one water-fill
+    of the row's pool per row)."""
     out = []
     for b in range(row_budget.numel()):
         weight = shares[b].double().clamp(min=0)
@@ -34,19 +35,27 @@ def shares_head_budgets(
         if float(weight.sum()) <= 0:
             weight = torch.ones_like(weight)
         alloc = water_fill(weight.reshape(-1), float(row_budget[b]) * weight.numel(), float(lengths[b]))
-        counts = torch.floor(alloc.view(layers, heads)[layer_idx] + 1e-9).long()
+        counts = torch.floor(alloc.view(layers, heads) + 1e-9).long()
         out.append(counts.clamp(min=int(row_window[b]), max=int(lengths[b])))
     return torch.stack(out).to(row_budget.device)
 
 
-def table_head_budgets(ctx: LayerContext) -> torch.Tensor:
-    """(B, H_kv) long counts of layer ``ctx.layer_idx`` from the KVzap file's shares at each row's kept
-    fraction and length (needs only the context's budgets, windows, lengths and KVzap model)."""
+def shares_head_budgets(
+    shares: torch.Tensor, layer_idx: int, row_budget: torch.Tensor, row_window: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """shares: (B, L, H) non-negative per row -> (B, H) long counts of layer ``layer_idx``."""
+    return shares_counts(shares, row_budget, row_window, lengths)[:, layer_idx]
+
+
+def table_counts(ctx: LayerContext) -> torch.Tensor:
+    """(B, L, H_kv) long counts of every layer from the KVzap file's shares at each row's kept fraction
+    and length (needs only the context's budgets, windows, lengths and KVzap model, the same for every
+    layer of a row)."""
     if ctx.kvzap is None:
         raise ValueError("the shares table needs a KVzap model file (compression.kvzap_model)")
     fractions = ctx.row_budget.double() / ctx.lengths.clamp(min=1).double()
     shares = ctx.kvzap.shares_at(fractions, ctx.lengths)
-    return shares_head_budgets(shares, ctx.layer_idx, ctx.row_budget, ctx.row_window, ctx.lengths)
+    return shares_counts(shares, ctx.row_budget, ctx.row_window, ctx.lengths)
 
 
 class SharesAllocation(Allocation):
@@ -56,4 +65,4 @@ class SharesAllocation(Allocation):
     needs_kvzap_model = True
 
     def head_budgets(self, scores: torch.Tensor, ctx: LayerContext, options: KVzapModelOptions) -> torch.Tensor:
-        return table_head_budgets(ctx)
+        return table_counts(ctx)[:, ctx.layer_idx]
