@@ -181,8 +181,14 @@ class Engine:
         """Prefill and compress one request's context only and return the cache, so callers can
         inspect what was kept: ``cache.kept_positions(layer, 0, kv_head)`` gives the original token
         positions (0 = first context token after the chat-template head) held for that head."""
+        return self.compress_contexts([request])
+
+    @torch.inference_mode()
+    def compress_contexts(self, requests: list[Request]) -> VarLenCache:
+        """:meth:`compress_context` of several requests' contexts prefilled together as one left-padded
+        batch (row b of the cache is request b's), as the batch path prefills them."""
         cache = self.new_cache(self.compressor)
-        self.prefill(self._rows_for(request)[:1], cache)
+        self.prefill([self._rows_for(request)[0] for request in requests], cache)
         return cache
 
     def new_cache(self, compressor: Compressor) -> VarLenCache:

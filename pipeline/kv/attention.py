@@ -38,11 +38,16 @@ def dense_prefill_attention(
     """Causal attention of a left-padded prefill chunk.
 
     query: (B, H_q, n, D); key/value: (B, H_kv, n, D); key_pos: (B, n) (-1 = padding).
-    Padding queries attend to themselves only (finite, ignored). Returns (B, H_q, n, D).
+    Padding queries attend to themselves only (finite, ignored). A left-padded batch runs row by row
+    over each row's real columns (:func:`_row_by_row`); other padding patterns one masked SDPA per
+    block of queries. Returns (B, H_q, n, D).
     """
     n = query.shape[2]
     if bool((key_pos >= 0).all()):
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    firsts = _left_padding(key_pos)
+    if firsts is not None:
+        return _row_by_row(query, key, value, firsts, 0, scaling)
     out = torch.empty_like(query)
     for begin in range(0, n, _QUERY_CHUNK):
         mask = _visible(key_pos, begin, min(n, begin + _QUERY_CHUNK))
@@ -54,6 +59,44 @@ def dense_prefill_attention(
             scale=scaling,
             enable_gqa=True,
         )
+    return out
+
+
+def _left_padding(key_pos: torch.Tensor) -> list[int] | None:
+    """Each row's first real column when every row of key_pos (B, K) is left-padded (padding, then
+    only real columns); None otherwise."""
+    real = key_pos >= 0
+    firsts = real.shape[1] - real.sum(dim=1)
+    columns = torch.arange(real.shape[1], device=real.device)
+    if not bool((real == (columns[None, :] >= firsts[:, None])).all()):
+        return None
+    return firsts.tolist()
+
+
+def _row_by_row(query, key, value, firsts: list[int], start: int, scaling: float) -> torch.Tensor:
+    """:func:`slice_attention` of a left-padded batch one row at a time over the row's real columns
+    only, so each row runs the fast unmasked kernels (a masked SDPA over the padded batch cannot skip
+    blocks: 2.4x the time of the rows one by one at 4 rows of 4K tokens on CPU). A padding query sees
+    itself only, so its output is its own column's value (its KV head's). query: (B, H_q, s, D) at
+    columns [start, start + s); key/value: (B, H_kv, start + s, D); firsts: each row's first real
+    column. Returns (B, H_q, s, D)."""
+    end = key.shape[2]
+    group = query.shape[1] // key.shape[1]
+    out = torch.empty_like(query)
+    for row, first in enumerate(firsts):
+        real_from = max(first, start)  # the row's first real query column
+        if real_from > start:
+            out[row, :, : real_from - start] = value[row, :, start:real_from].repeat_interleave(group, dim=0)
+        if real_from < end:
+            real_pos = torch.zeros(1, end - first, dtype=torch.long, device=key.device)
+            out[row : row + 1, :, real_from - start :] = slice_attention(
+                query[row : row + 1, :, real_from - start :],
+                key[row : row + 1, :, first:],
+                value[row : row + 1, :, first:],
+                real_pos,
+                real_from - first,
+                scaling,
+            )
     return out
 
 
@@ -76,7 +119,8 @@ def slice_attention(
     columns [0, start + s); key_pos: (B, start + s) (-1 = padding). Column j is visible to query column
     i iff it is not padding and j <= i (a padding query sees itself only), as in
     :func:`dense_prefill_attention`, which the first slice is. An unpadded slice on CPU: two fused calls
-    merged (:func:`_earlier_then_own_columns`). Otherwise one SDPA per KV head, so only that head's keys
+    merged (:func:`_earlier_then_own_columns`). A left-padded batch: row by row over each row's real
+    columns (:func:`_row_by_row`). Otherwise one SDPA per KV head, so only that head's keys
     are repeated for its query group, with one additive mask for all heads (a boolean one would be
     converted by every call). Returns (B, H_q, s, D).
     """
@@ -86,6 +130,9 @@ def slice_attention(
         out = _earlier_then_own_columns(query, key, value, start, scaling)
         if out is not None:
             return out
+    firsts = _left_padding(key_pos)
+    if firsts is not None and not bool((key_pos >= 0).all()):
+        return _row_by_row(query, key, value, firsts, start, scaling)
     h_q, h_kv = query.shape[1], key.shape[1]
     unseen = ~_visible(key_pos, start, key.shape[2])  # (B, s, end)
     mask = torch.zeros(unseen.shape, dtype=query.dtype, device=query.device).masked_fill_(unseen, float("-inf"))

@@ -64,3 +64,34 @@ def test_bfloat16_slices_stay_close_to_the_float32_reference():
     assert got.dtype == torch.bfloat16
     want = naive(query[:, :, 10:].float(), key.float(), value.float(), pos, 10, 0.3)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _three_rows(length, seed):
+    """Batch 3: unpadded, left-padded by 7, and padding only (a row with nothing real)."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(3, 6, length, 8, generator=g).to(DEVICE)
+    key = torch.randn(3, 2, length, 8, generator=g).to(DEVICE)
+    value = torch.randn(3, 2, length, 8, generator=g).to(DEVICE)
+    pos = torch.arange(length).repeat(3, 1)
+    pos[1, :7] = -1
+    pos[1, 7:] -= 7
+    pos[2] = -1
+    return query, key, value, pos.to(DEVICE)
+
+
+@pytest.mark.parametrize("start,end", [(0, 5), (0, 19), (5, 12), (12, 19)])
+def test_left_padded_rows_one_by_one_match_the_naive_reference(start, end):
+    query, key, value, pos = _three_rows(19, seed=3)
+    got = slice_attention(query[:, :, start:end], key[:, :, :end], value[:, :, :end], pos[:, :end], start, 0.3)
+    want = naive(query[:, :, start:end], key[:, :, :end], value[:, :, :end], pos[:, :end], start, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("start", [0, 6])
+def test_padding_that_is_not_on_the_left_is_masked_like_the_naive_reference(start):
+    """A padding column after real ones (not a left-padded row) takes the masked path."""
+    query, key, value, pos = _three_rows(15, seed=4)
+    pos[0, 3] = -1
+    got = slice_attention(query[:, :, start:], key, value, pos, start, 0.3)
+    want = naive(query[:, :, start:], key, value, pos, start, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
