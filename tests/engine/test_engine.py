@@ -191,6 +191,20 @@ def test_kept_positions_readable_through_engine():
         assert list(range(n - 4, n)) == positions[-4:].tolist()  # the window is always kept
 
 
+def test_contexts_prefilled_together_keep_what_each_keeps_alone():
+    """compress_contexts: a left-padded batch of two documents of different lengths, row b as alone."""
+    engine = _engine(method="criticalkv-adakv-snapkv", cache_size=0.3)
+    requests = [Request("long", TEXT * 3, ["Who?"]), Request("short", TEXT * 2, ["Who?"])]
+    together = engine.compress_contexts(requests)
+    for row, request in enumerate(requests):
+        alone = engine.compress_context(request)
+        assert int(together.context_entries[row]) == int(alone.context_entries[0])
+        for layer in range(len(alone.store)):
+            for head in range(engine.shape.num_kv_heads):
+                kept = together.kept_positions(layer, row, head)
+                assert torch.equal(kept, alone.kept_positions(layer, 0, head))
+
+
 @pytest.fixture
 def faults():
     """``faults(**directives)`` installs the test hook in this process; removed after the test."""
