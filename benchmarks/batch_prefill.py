@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.common import context_ids, split_engine_knobs
+from benchmarks.common import context_ids, variant_engine
 from benchmarks.roofline import header, median, table
-from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.config import ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
-from pipeline.eval.sweep import parse_variant
-from pipeline.kv.config import CompressionConfig
 from pipeline.options import split_top_level
 
 HERE = Path(__file__).resolve().parent
@@ -60,14 +57,6 @@ def measure(engine: Engine, requests: list[Request], repeats: int) -> tuple[floa
     return median(together), median(alone)
 
 
-def engine_for(loaded, method: str, cache_size: float) -> Engine:
-    name, overrides = parse_variant(method)
-    engine_knobs, overrides = split_engine_knobs(overrides)
-    size = 1.0 if name == "none" else cache_size
-    config = CompressionConfig.model_validate({"method": name, "cache_size": size, **overrides})
-    return Engine(replace(loaded, **engine_knobs), config, GenerationConfig(max_new_tokens=1))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--length", type=int, default=4096, help="the longest document's tokens (default %(default)s)")
@@ -87,7 +76,7 @@ def main() -> None:
     requests = requests_of(loaded.tokenizer, args.length, args.batch)
     rows = []
     for method in (m.strip() for m in split_top_level(args.methods) if m.strip()):
-        together, alone = measure(engine_for(loaded, method, args.cache_size), requests, args.repeats)
+        together, alone = measure(variant_engine(loaded, method, args.cache_size), requests, args.repeats)
         rows.append([method, f"{together:.1f}", f"{alone:.1f}", f"{together / alone:.2f}"])
         print(f"{method}: batch {together:.1f} s, rows one at a time {alone:.1f} s", flush=True)
     lines = [header(f"Batch prefill against single rows (SmolLM2 fp32, cache size {args.cache_size:g})")]

@@ -7,12 +7,15 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 from pipeline.data.synthetic import sample_qa_documents
-from pipeline.engine.config import ModelConfig
+from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
+from pipeline.eval.sweep import parse_variant
 from pipeline.kv.attention import register
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
@@ -78,3 +81,14 @@ def split_engine_knobs(overrides: dict[str, str]) -> tuple[dict[str, int], dict[
     """A variant's overrides split into the engine's (:data:`ENGINE_KNOBS`, as ints) and the compression's."""
     engine = {k: int(v) for k, v in overrides.items() if k in ENGINE_KNOBS}
     return engine, {k: v for k, v in overrides.items() if k not in ENGINE_KNOBS}
+
+
+def variant_engine(loaded, variant: str, cache_size: float) -> Engine:
+    """An engine on ``loaded`` (a :func:`~pipeline.engine.loading.load_model` result) for one
+    ``NAME[knob=value,...]`` entry: its engine knobs on the model, the rest on the compression, at
+    ``cache_size`` (the full cache for ``none``), generating one token."""
+    name, overrides = parse_variant(variant)
+    engine_knobs, overrides = split_engine_knobs(overrides)
+    size = 1.0 if name == "none" else cache_size
+    config = CompressionConfig.model_validate({"method": name, "cache_size": size, **overrides})
+    return Engine(replace(loaded, **engine_knobs), config, GenerationConfig(max_new_tokens=1))

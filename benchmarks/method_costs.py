@@ -33,19 +33,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from benchmarks.common import context_ids, split_engine_knobs
+from benchmarks.common import context_ids, variant_engine
 from benchmarks.roofline import PeakRSS, header, median, parse_ints, table
-from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.config import ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.feed_forward import chunk_feed_forward
 from pipeline.engine.loading import load_model
 from pipeline.engine.types import Request
-from pipeline.eval.sweep import parse_variant
-from pipeline.kv.config import CompressionConfig
 from pipeline.options import split_top_level
 
 HERE = Path(__file__).resolve().parent
@@ -154,11 +151,7 @@ def main() -> None:
         method, _, sliced = label.partition("@")
         chunk_feed_forward(loaded.model, int(sliced or slicings[0]))  # the shared model, as this label runs
         if label not in engines:
-            name, overrides = parse_variant(method)
-            engine_knobs, overrides = split_engine_knobs(overrides)
-            size = 1.0 if name == "none" else args.cache_size
-            config = CompressionConfig.model_validate({"method": name, "cache_size": size, **overrides})
-            engines[label] = Engine(replace(loaded, **engine_knobs), config, GenerationConfig(max_new_tokens=1))
+            engines[label] = variant_engine(loaded, method, args.cache_size)
         return engines[label]
 
     lines = [header(f"Prefill cost per method (SmolLM2 fp32, cache size {args.cache_size:g})")]

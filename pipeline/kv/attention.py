@@ -88,7 +88,7 @@ def _row_by_row(query, key, value, firsts: list[int], start: int, scaling: float
         if real_from > start:
             out[row, :, : real_from - start] = value[row, :, start:real_from].repeat_interleave(group, dim=0)
         if real_from < end:
-            real_pos = torch.zeros(1, end - first, dtype=torch.long, device=key.device)
+            real_pos = torch.zeros(1, end - first, dtype=torch.long, device=key.device)  # all real
             out[row : row + 1, :, real_from - start :] = slice_attention(
                 query[row : row + 1, :, real_from - start :],
                 key[row : row + 1, :, first:],
@@ -131,7 +131,7 @@ def slice_attention(
         if out is not None:
             return out
     firsts = _left_padding(key_pos)
-    if firsts is not None and not bool((key_pos >= 0).all()):
+    if firsts is not None and any(firsts):  # padded (all zeros: nothing to skip)
         return _row_by_row(query, key, value, firsts, start, scaling)
     h_q, h_kv = query.shape[1], key.shape[1]
     unseen = ~_visible(key_pos, start, key.shape[2])  # (B, s, end)
