@@ -212,6 +212,7 @@ def test_every_console_script_names_a_callable_entry_point():
 ALLOWED_ENVIRONMENT_READS = {
     ("pipeline/kv/varlen_kernels.py", "from_environment"),  # KernelChoice: once per cache (VarLenCache)
     ("pipeline/engine/loading.py", "default_cache_dir"),  # where converted GGUF models are kept
+    ("pipeline/engine/model_source.py", "hub_offline"),  # HF_HUB_OFFLINE: once per model fetch or pre-flight
 }
 
 

@@ -17,22 +17,44 @@ import ray
 import pipeline
 from pipeline.distributed.config import JobConfig
 from pipeline.distributed.rundir import JobConfigError
-from pipeline.engine.loading import SHORT_NAMES, ModelNotFoundError, RemoteCodeRefused, bundled_gguf, resolve_model_path
+from pipeline.engine.loading import (
+    SHORT_NAMES,
+    ModelNotFoundError,
+    RemoteCodeRefused,
+    bundled_gguf,
+    check_remote_code,
+    resolve_model_path,
+)
+from pipeline.engine.model_source import check_hub, check_object_store, kind_of
 
 logger = logging.getLogger(__name__)
 
 
-def check_model(config: JobConfig) -> None:
-    """Fail fast on a model that cannot be found or would need its own code without
-    ``trust_remote_code`` -- only where the actors will run on this machine
-    (a local Ray); on a cluster the path may exist on the workers only."""
-    if config.engine_factory is not None or config.ray_address or os.environ.get("RAY_ADDRESS"):
-        return
+def check_model(config: JobConfig) -> dict:
+    """Fail fast, before Ray starts, on a model that cannot be had or would need its own code without
+    ``trust_remote_code``; returns where it comes from (for the manifest). A Hub id or ``s3://`` /
+    ``gs://`` directory is asked with a metadata call or a listing (no weights) and its Hub revision is
+    resolved to a commit; a local path is checked only where the actors run on this machine (a local
+    Ray): on a cluster it may exist on the workers only."""
+    if config.engine_factory is not None:
+        return {"kind": "engine_factory", "name": config.model.name}
+    model = config.model
+    kind = kind_of(model.name, SHORT_NAMES)
+    remote = bool(config.ray_address or os.environ.get("RAY_ADDRESS"))
     try:
-        if config.model.name.lower() in SHORT_NAMES:
-            bundled_gguf(config.model.name.lower())
-        else:
-            resolve_model_path(config.model)  # paths: the files; hub ids: present in the local HF cache
+        if kind == "hub":
+            facts = check_hub(model.name, model.revision, model.trust_remote_code)
+            check_remote_code(Path(facts.pop("config_file")), model)
+            return facts
+        if kind == "object_store":
+            facts = check_object_store(model.name, model.trust_remote_code)
+            check_remote_code(facts.pop("config"), model)
+            return facts
+        if kind == "bundled":
+            return {"kind": kind, "name": model.name, "file": str(bundled_gguf(model.name.lower()))}
+        if not remote:
+            resolve_model_path(model)
+        return {"kind": kind, "path": model.name}
     except ModelNotFoundError as exc:
         raise JobConfigError("model.name", str(exc)) from exc
     except RemoteCodeRefused as exc:

@@ -57,8 +57,11 @@ def build_dataset(
     run_id: str,
     cpus: float,
     score: ScoreFunction | None = None,
+    model_revision: str | None = None,
 ):
-    """The job's dataset: ``docs`` (driver-normalised) or the Ray-normalised input, then the actors."""
+    """The job's dataset: ``docs`` (driver-normalised) or the Ray-normalised input, then the actors.
+    ``model_revision``: the Hub commit the driver resolved, which every actor loads (default: the
+    configured revision)."""
     batch_size = config.batch_size_for(docs.num_rows if docs is not None else None)
     if docs is not None:
         # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
@@ -68,14 +71,14 @@ def build_dataset(
     job_fields = {
         "run_id": run_id,
         "job": config.job,
-        "model": config.model.name,
+        "model": config.model.name + (f"@{config.model.revision}" if config.model.revision else ""),
         **setting_of(config.compression).columns(),
     }
     gpu_args = {"num_gpus": config.gpus_per_actor} if config.gpus_per_actor > 0 else {}
     return ds.map_batches(
         Predictor,
         fn_constructor_kwargs={
-            "model": config.model.model_dump(mode="json"),
+            "model": {**config.model.model_dump(mode="json"), "revision": model_revision or config.model.revision},
             "compression": config.compression.model_dump(mode="json"),
             "generation": config.generation.model_dump(mode="json"),
             "job_fields": job_fields,

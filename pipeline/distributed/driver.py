@@ -118,12 +118,12 @@ def run_job(config: JobConfig, *, echo: bool = True, score: ScoreFunction | None
     docs = load_documents(config) if mode == "driver" else None
     if mode == "ray":
         check_ray_input(config)
+    model_source = check_model(config)
     if not ray.is_initialized():
-        check_model(config)
         stop_dead_sessions(default_cache_dir() / SESSIONS_DIR)
     out.lock()
     try:
-        return _Run(config, out, mode, t0, score, echo).execute(docs)
+        return _Run(config, out, mode, t0, score, echo, model_source).execute(docs)
     finally:
         out.unlock()
 
@@ -145,9 +145,17 @@ class _Run:
     """One run into a locked output directory: schedule what is not committed, run Ray, check, record."""
 
     def __init__(
-        self, config: JobConfig, out: OutputDir, mode: str, t0: float, score: ScoreFunction | None, echo: bool
+        self,
+        config: JobConfig,
+        out: OutputDir,
+        mode: str,
+        t0: float,
+        score: ScoreFunction | None,
+        echo: bool,
+        model_source: dict,
     ) -> None:
         self.config, self.out, self.mode, self.t0, self.score, self.echo = config, out, mode, t0, score, echo
+        self.model_source = model_source  # where the weights come from; a Hub revision resolved to its commit
         self.run_id = new_run_id()
         self.settings = [setting_of(c) for c in config.sweep]
         self.ray_info: dict = {}
@@ -215,6 +223,7 @@ class _Run:
             versions=versions(),
             temporary_files_removed=self.debris,
             rows=RowCounts(committed_before=committed.rows, **counts),
+            model_source=self.model_source,
         )
         manifest["runs"].append(run)
         self._write(manifest)
@@ -251,7 +260,8 @@ class _Run:
             run.gpu["cluster"] = cluster_gpus()
             self.ray_info = ray_facts(self.config, address, cpus)
             done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
-            ds = build_dataset(self.config, docs, done, self.run_id, cpus, self.score)
+            commit = self.model_source.get("commit")  # every actor loads the commit the driver resolved
+            ds = build_dataset(self.config, docs, done, self.run_id, cpus, self.score, model_revision=commit)
             self._commit_results(ds, run.rows.docs_scheduled)
         except JobConfigError as exc:
             self._end_early(manifest, run, exc, "failed")

@@ -19,16 +19,24 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Model (which model to load and where it runs).
 
-    ``name``: ``smollm2`` (bundled SmolLM2-135M-Instruct GGUF), a hub id, a local directory with
+    ``name``: ``smollm2`` (bundled SmolLM2-135M-Instruct GGUF), a Hugging Face Hub id or an ``s3://`` /
+    ``gs://`` model directory (both fetched once per node where the model runs), a local directory with
     safetensors weights, or a ``.gguf`` file. ``device``/``dtype`` ``auto`` picks CUDA + bfloat16
     when a GPU is visible, otherwise CPU + float32.
     """
 
     name: str = Field(
         "smollm2",
-        description="smollm2 (bundled SmolLM2-135M-Instruct), a hub id in the local HF "
-        "cache, a local safetensors directory, or a .gguf file",
+        description="smollm2 (bundled 135M demo model), a Hugging Face Hub id (downloaded where the actors run; "
+        "HF_TOKEN from the environment), an s3:// or gs:// model directory, a local safetensors directory, or a "
+        ".gguf file",
         json_schema_extra={"flag": "model"},
+    )
+    revision: str | None = Field(
+        None,
+        description="Hub model only: the branch, tag or commit to load (default: main, resolved to its commit "
+        "once before the actors start, so that every actor loads the same weights)",
+        json_schema_extra={"flag": "model-revision"},
     )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when visible)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -37,7 +45,7 @@ class ModelConfig(_Strict):
     trust_remote_code: bool = Field(False, description="allow model repositories to run their own code")
     cache_dir: Path | None = Field(
         None,
-        description="where converted GGUF models are kept (default: "
+        description="where converted GGUF models and s3:// / gs:// model copies are kept (default: "
         "$CRITICALKV_CACHE_DIR or ~/.cache/criticalkv-pipeline)",
     )
     weight_layout: Literal["auto", "row", "column"] = Field(

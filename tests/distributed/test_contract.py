@@ -7,6 +7,7 @@ Exit codes (README): 0 every row answered; 3 finished but rows carry an error (a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -109,10 +110,12 @@ def test_unknown_model_fails_fast_before_ray(tmp_path):
         text=True,
         timeout=300,
         cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf")},  # no network: the cache only
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "not-a-model-name" in lines[0] and "local Hugging Face cache" in lines[0]
+    assert "HF_HUB_OFFLINE" in lines[0]
     assert "Traceback" not in proc.stderr and "Ray" not in proc.stderr and "resume" not in proc.stderr
     assert time.perf_counter() - t0 < 60 and not (tmp_path / "out").exists()
 

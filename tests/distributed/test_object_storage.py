@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import tempfile
 from collections import Counter
 
@@ -24,8 +23,8 @@ from pipeline.data import read_table, rows_to_table, write_documents
 from pipeline.data.locations import StorageError, is_uri, resolve, s3_options
 from pipeline.distributed import JobConfigError, run_job, sink
 from pipeline.report.tables import read_outputs
-from tests.dev_extra import require_dev
 from tests.distributed.conftest import ROOT, small_docs, tiny_config
+from tests.s3_server import s3_server
 
 BUCKET = "criticalkv-test"
 
@@ -94,38 +93,11 @@ def test_job_config_keeps_uris_and_names_the_field_of_a_bad_one(tmp_path):
 
 
 # ---------------------------------------------------------------------- a local S3 server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_env():
     """moto's S3 server on 127.0.0.1 and the AWS_* variables pointing at it (restored afterwards)."""
-    server_mod = require_dev("moto.server")
-    port = _free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        pafs.S3FileSystem(**s3_options(), allow_bucket_creation=True).create_dir(BUCKET)
+    with s3_server(BUCKET) as env:
         yield env
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
 
 
 @pytest.fixture(scope="module")
