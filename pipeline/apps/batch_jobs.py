@@ -16,6 +16,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from pipeline.apps.self_calibration import calibrate_for_job
 from pipeline.data.locations import is_uri
 from pipeline.distributed.config import JOB_CONFIGS, JobConfig
 from pipeline.distributed.driver import JobConfigError, JobFailed, run_job
@@ -64,10 +65,16 @@ def exit_code(result, max_error_fraction: float) -> int:
     return EXIT_OK
 
 
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _run(config: JobConfig):
-    """The job's result, or an exit code for a failure part-way (bad configuration exits 2)."""
+    """The job's result, or an exit code for a failure part-way (bad configuration exits 2). A method
+    with the learned scorer on a model without a KVzap file calibrates it first (``--calibrate auto``)."""
     try:
-        return run_job(config, score=partial(score_answer, default_metric=config.metric))
+        config, calibration = calibrate_for_job(config, _log)
+        return run_job(config, score=partial(score_answer, default_metric=config.metric), calibration=calibration)
     except JobConfigError as exc:
         fail(f"invalid {exc.field}: {exc.message}")
     except JobFailed as exc:

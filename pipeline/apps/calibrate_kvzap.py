@@ -11,6 +11,7 @@ fit on the held-out ones, and writes the file ``--kvzap-model`` reads (:mod:`pip
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -80,7 +81,32 @@ class TargetWorker:
         self.engine = Engine(load_model(ModelConfig.model_validate(model)))
 
     def targets(self, doc: dict, sample_tokens: int, share_sizes: list[float], seed: int) -> DocumentTargets:
+        if doc.get("length") is None:  # a user's document: its length bucket, from this model's tokenizer
+            doc = {**doc, "length": length_bucket(len(self.engine.tokenizer(doc["context"]).input_ids))}
         return document_targets(self.engine, doc, sample_tokens, share_sizes, seed)
+
+    def fingerprint(self) -> dict:
+        return model_fingerprint(self.engine.model)
+
+
+def length_bucket(tokens: int) -> int:
+    """The power of two nearest to a document's token count (at least 64): its calibration length."""
+    return max(64, 2 ** round(math.log2(max(tokens, 1))))
+
+
+def collect_targets(
+    model: dict, docs: list[dict], actors: int, cpus: float, gpus: float, args: tuple, log
+) -> tuple[list[DocumentTargets], dict]:
+    """KVzip+ targets of ``docs`` on ``actors`` Ray actors (Ray already initialised) and the model's
+    fingerprint; ``args``: (sample_tokens, share_sizes, seed)."""
+    worker = ray.remote(num_cpus=cpus, num_gpus=gpus)(TargetWorker)
+    pool_actors = [worker.remote(model) for _ in range(max(1, min(actors, len(docs))))]
+    pool = ray.util.ActorPool(pool_actors)
+    results = []
+    for i, result in enumerate(pool.map(lambda a, d: a.targets.remote(d, *args), docs)):
+        results.append(result)
+        log(f"{i + 1}/{len(docs)} {result.doc_id}")
+    return results, ray.get(pool_actors[0].fingerprint.remote())
 
 
 def _per_length(config: KVzapCalibrationJob) -> list[int]:
@@ -95,15 +121,9 @@ def _collect(config: KVzapCalibrationJob, docs: list[dict], log) -> list[Documen
     started_here, address = ensure_ray(config.ray_address)
     log(f"Ray: {address}; {config.actors} actor(s), {len(docs)} documents")
     try:
-        worker = ray.remote(num_cpus=config.cpus_per_actor, num_gpus=config.gpus_per_actor)(TargetWorker)
-        actors = [worker.remote(config.model.model_dump(mode="json")) for _ in range(config.actors)]
-        pool = ray.util.ActorPool(actors)
         args = (config.sample_tokens, config.share_sizes, config.seed)
-        results = []
-        for i, result in enumerate(pool.map(lambda a, d: a.targets.remote(d, *args), docs)):
-            results.append(result)
-            log(f"{i + 1}/{len(docs)} {result.doc_id}")
-        return results
+        model = config.model.model_dump(mode="json")
+        return collect_targets(model, docs, config.actors, config.cpus_per_actor, config.gpus_per_actor, args, log)[0]
     finally:
         if started_here:
             ray.shutdown()

@@ -256,8 +256,17 @@ class JobConfig(CommandLineConfig):
         for setting in self.compression_settings():
             resolve_head_priors(setting, self.model.name)  # a headkv method needs a priors file: fail now
             if model_may_exist(self.model.name):  # else the model check names the real problem
-                resolve_kvzap(setting, self.model.name)  # kvzap / shares need a KVzap file for the model: fail now
+                self._check_kvzap(setting)
         return self
+
+    def _check_kvzap(self, setting: CompressionConfig) -> None:
+        """kvzap / shares need a KVzap file for the model: a named file that is wrong fails now; a missing
+        one fails now unless the job calibrates one first (``calibrate`` auto)."""
+        try:
+            resolve_kvzap(setting, self.model.name)
+        except ValueError:
+            if setting.kvzap_model is not None or getattr(self, "calibrate", "off") != "auto":
+                raise
 
     # ------------------------------------------------------------------ derived
     def compression_settings(self) -> list[CompressionConfig]:
@@ -305,7 +314,18 @@ class JobConfig(CommandLineConfig):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class LongDocQAJob(BuiltInSamples, JobConfig):
+class SelfCalibration(BaseModel):
+    """The learned scorer's calibration for a model without one (pipeline.apps.self_calibration)."""
+
+    calibrate: Literal["auto", "off"] = Field(
+        "auto",
+        description="methods with the learned scorer (kvzap, shares) on a model with no KVzap file: auto calibrates "
+        "it first on --calibration-docs of this job's documents (reused by reruns into the same output); off refuses",
+    )
+    calibration_docs: int = Field(8, ge=2, description="documents of the input the calibration samples")
+
+
+class LongDocQAJob(BuiltInSamples, SelfCalibration, JobConfig):
     """Input and output"""
 
     job: Literal["longdoc_qa"] = Field("longdoc_qa", json_schema_extra=HIDDEN)
@@ -313,7 +333,7 @@ class LongDocQAJob(BuiltInSamples, JobConfig):
     generation: BatchGeneration = Field(default_factory=lambda: BatchGeneration(max_new_tokens=24))
 
 
-class SummarizeJob(BuiltInSamples, JobConfig):
+class SummarizeJob(BuiltInSamples, SelfCalibration, JobConfig):
     """Input and output"""
 
     job: Literal["summarize"] = Field("summarize", json_schema_extra=HIDDEN)

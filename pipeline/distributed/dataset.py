@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy
@@ -50,6 +52,14 @@ def ray_documents(config: JobConfig, done: dict[str, list[str]]):
     return ds.map_batches(drop_done, fn_kwargs={"done": done, "sweep": sweep}, batch_format="pyarrow")
 
 
+def kvzap_files(config: JobConfig) -> dict[str, bytes]:
+    """The bytes of every KVzap file the job's settings name, by the path the driver knows them under:
+    an actor on another node, where that path does not exist, loads its own copy of the same bytes
+    (a file is a few MB at most: one linear map per layer)."""
+    paths = {str(s.kvzap_model) for s in config.compression_settings() if s.kvzap_model is not None}
+    return {path: Path(path).read_bytes() for path in sorted(paths) if Path(path).is_file()}
+
+
 def build_dataset(
     config: JobConfig,
     docs: pa.Table | None,
@@ -87,6 +97,7 @@ def build_dataset(
             "oom_retry_cache_size": config.oom_retry_cache_size,
             "score": score,
             "code_fingerprint": package_fingerprint(),
+            "kvzap_files": kvzap_files(config),
         },
         compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
         num_cpus=cpus,

@@ -108,9 +108,12 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
 
-def run_job(config: JobConfig, *, echo: bool = True, score: ScoreFunction | None = None) -> RunResult:
+def run_job(
+    config: JobConfig, *, echo: bool = True, score: ScoreFunction | None = None, calibration: dict | None = None
+) -> RunResult:
     """Run (or resume) a batch job; see the module docstring. Prints the summary when ``echo``;
-    ``score(task, prediction, references)`` fills the ``score`` column of answers with references."""
+    ``score(task, prediction, references)`` fills the ``score`` column of answers with references;
+    ``calibration``: what the manifest records of a KVzap file calibrated for this job."""
     t0 = time.perf_counter()
     out = OutputDir(config.output)
     out.check(config)
@@ -123,7 +126,9 @@ def run_job(config: JobConfig, *, echo: bool = True, score: ScoreFunction | None
         stop_dead_sessions(default_cache_dir() / SESSIONS_DIR)
     out.lock()
     try:
-        return _Run(config, out, mode, t0, score, echo, model_source).execute(docs)
+        return _Run(
+            config, out, mode, t0, score, echo, {"model_source": model_source, "calibration": calibration}
+        ).execute(docs)
     finally:
         out.unlock()
 
@@ -152,10 +157,11 @@ class _Run:
         t0: float,
         score: ScoreFunction | None,
         echo: bool,
-        model_source: dict,
+        facts: dict,
     ) -> None:
         self.config, self.out, self.mode, self.t0, self.score, self.echo = config, out, mode, t0, score, echo
-        self.model_source = model_source  # where the weights come from; a Hub revision resolved to its commit
+        self.model_source = facts["model_source"]  # where the weights come from; a Hub revision resolved to its commit
+        self.calibration = facts["calibration"]
         self.run_id = new_run_id()
         self.settings = [setting_of(c) for c in config.sweep]
         self.ray_info: dict = {}
@@ -224,6 +230,7 @@ class _Run:
             temporary_files_removed=self.debris,
             rows=RowCounts(committed_before=committed.rows, **counts),
             model_source=self.model_source,
+            calibration=self.calibration,
         )
         manifest["runs"].append(run)
         self._write(manifest)

@@ -56,6 +56,7 @@ class RunRecord:
     error: str | None = None  # one sentence, when the run did not complete
     summary: dict[str, Any] | None = None  # :meth:`pipeline.distributed.summary.RunSummary.as_dict`
     model_source: dict[str, Any] = field(default_factory=dict)  # kind, id/uri, revision and resolved commit
+    calibration: dict[str, Any] | None = None  # the learned scorer calibrated for this job (path, documents, fit)
 
     def end(self, status: str, ended_at: str, error: str | None) -> None:
         self.status, self.ended_at, self.error = status, ended_at, error

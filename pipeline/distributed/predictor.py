@@ -33,6 +33,7 @@ from pipeline import hooks
 from pipeline.data.normalise import question_hashes
 from pipeline.data.schema import ANSWER, SETTING, columns_filled_by, rows_to_table
 from pipeline.engine.config import GenerationConfig, ModelConfig
+from pipeline.engine.loading import default_cache_dir
 from pipeline.engine.types import Answer, Request, Setting, row_question_ids
 from pipeline.kv.config import CompressionConfig
 
@@ -99,6 +100,25 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
+def local_kvzap_files(files: dict[str, bytes]) -> dict[str, str]:
+    """{driver path: path on this node} for KVzap files sent as bytes: the driver's path where it holds
+    the same bytes here, else a copy in this node's cache (named by content, written atomically)."""
+    out = {}
+    for path, data in files.items():
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        if Path(path).is_file() and hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] == digest:
+            out[path] = path
+            continue
+        copy = default_cache_dir() / "kvzap" / "received" / f"{digest}.safetensors"
+        if not copy.is_file():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            tmp = copy.with_name(f".tmp-{os.getpid()}-{copy.name}")
+            tmp.write_bytes(data)
+            os.replace(tmp, copy)
+        out[path] = str(copy)
+    return out
+
+
 class Predictor:
     """Ray Data callable class (see the module docstring).
 
@@ -119,14 +139,21 @@ class Predictor:
         oom_retry_cache_size: float | None = None,
         score: ScoreFunction | None = None,
         code_fingerprint: str | None = None,
+        kvzap_files: dict[str, bytes] | None = None,
     ) -> None:
         check_same_code(code_fingerprint)  # before the model load: a mismatch fails within seconds
         self.model_config = ModelConfig.model_validate(model)
+        local = local_kvzap_files(kvzap_files or {})
+        compression = {
+            **compression,
+            "kvzap_model": local.get(compression.get("kvzap_model"), compression.get("kvzap_model")),
+        }
+        sweep = [{**c, "kvzap_model": local.get(c.get("kvzap_model"), c.get("kvzap_model"))} for c in sweep or []]
         self.compression = CompressionConfig.model_validate(compression)
         self.generation = GenerationConfig.model_validate(generation)
         self.job_fields = dict(job_fields)
         self.batches = 0
-        self.sweep = [CompressionConfig.model_validate(c) for c in (sweep or [])]
+        self.sweep = [CompressionConfig.model_validate(c) for c in sweep]
         self.settings = [setting_of(c) for c in self.sweep]
         self.score = score
         self.engine = resolve_factory(engine_factory)(self.model_config, self.compression, self.generation)

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 DATA_DIR = "data"
+CALIBRATION_DIR = "calibration"  # the learned scorer calibrated on this output's input (pipeline.apps.self_calibration)
 LOCK = ".lock"
 
 
@@ -132,7 +133,7 @@ class OutputDir:
             raise JobConfigError("output", f"cannot access {self.location}: {exc}") from exc
         if manifest is None:
             names = [e.base_name for e in entries]
-            if any(name != DATA_DIR and not name.startswith(".") for name in names):
+            if any(name not in (DATA_DIR, CALIBRATION_DIR) and not name.startswith(".") for name in names):
                 raise JobConfigError(
                     "output",
                     f"{self.location} is not empty and holds no {MANIFEST} of this pipeline; "

@@ -136,8 +136,10 @@ def resolve_kvzap(config: CompressionConfig, model_name: str) -> CompressionConf
         if shipped is None:
             raise ValueError(
                 f"kvzap_model: method {config.method!r} needs a KVzap file and none ships for model "
-                f"{model_name!r}; make one with jobs/calibrate_kvzap.py --model {model_name} and pass --kvzap-model, "
-                "or choose a method without kvzap / shares (e.g. --method criticalkv-layer-kvzip)"
+                f"{model_name!r}; let the batch job calibrate one on its documents (--calibrate auto, the default), "
+                f"make one with jobs/calibrate_kvzap.py --model {model_name} and pass --kvzap-model, or choose a "
+                "method that needs no calibration (criticalkv-layer-defensivekv holds up at --cache-size 0.4: "
+                "0.94-0.99x of the full cache; criticalkv-layer-kvzip at any size, with a slow prefill)"
             )
         return config.model_copy(update={"kvzap_model": shipped})
     if not Path(config.kvzap_model).is_file():

@@ -17,8 +17,8 @@ TINY_FACTORY = "tests.distributed.helpers:tiny_engine"
 # job flags that run the tiny in-code Llama on one CPU per actor (add --max-new-tokens and the rest)
 TINY_JOB_ARGS = ["--model", "tiny-llama", "--engine-factory", TINY_FACTORY, "--window", "4", "--kernel", "3"]
 TINY_JOB_ARGS += ["--cpus-per-actor", "1", "--batch-size", "1"]  # one document per call: tests count per document
-# the jobs' default method (kvzap + shares) needs a KVzap file made for the model: none exists for the
-# random tiny models, so these runs name a method that needs none (the previous default)
+# a method with kvzap or shares needs a KVzap file made for the model: none exists for the
+# random tiny models, so these runs name a method that needs none (the default)
 TINY_JOB_ARGS += ["--method", "criticalkv-layer-kvzip"]
 
 

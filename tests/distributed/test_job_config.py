@@ -262,13 +262,20 @@ def test_a_kvzap_file_made_for_another_model_fails_before_ray_with_exit_code_2(t
             "was calibrated for model 'tiny-llama', but this run uses model 'smollm2'",
         ),
         (KVZAP + ["--kvzap-model", str(tmp_path / "none.safetensors")], "kvzap_model: file not found"),
-        (["--model", str(tmp_path), "--method", "shares-snapkv"], f"none ships for model '{tmp_path}'"),
+        (
+            ["--model", str(tmp_path), "--method", "shares-snapkv", "--calibrate", "off"],
+            f"none ships for model '{tmp_path}'",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as info:
             config_from_args("longdoc_qa", argv + ["--output", str(tmp_path / "o")])
         assert info.value.code == 2
         assert message in capsys.readouterr().err
+    # without --calibrate off the job defers to a calibration on its own documents (test_self_calibration.py)
+    assert config_from_args(
+        "longdoc_qa", ["--model", str(tmp_path), "--method", "shares-snapkv", "--output", str(tmp_path / "o")]
+    )
     # the learned method on the bundled model resolves the shipped file
     assert config_from_args("longdoc_qa", KVZAP + ["--output", str(tmp_path / "o")]).compression.kvzap_model is None
 
