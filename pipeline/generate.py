@@ -49,8 +49,10 @@ def _read_context(name: str) -> str:
     if name == "-":
         return sys.stdin.read()
     path = Path(name)
-    if not path.is_file():
+    if not path.exists():  # a pipe (``<(cmd)``, /dev/fd/N) is no regular file but reads as one
         fail(f"invalid --context-file: no such file: {path}")
+    if path.is_dir():
+        fail(f"invalid --context-file: {path} is a directory, not a text file")
     return path.read_text(encoding="utf-8", errors="replace")
 
 

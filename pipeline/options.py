@@ -20,6 +20,7 @@ under them raise :class:`UsageError`.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import types
 import typing
@@ -109,11 +110,38 @@ def _comma_list(item_type):
     return parse
 
 
+def first_paragraph(doc: str) -> str:
+    """A module docstring's first paragraph as one line (a command's ``--help`` description)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def finite_float(text: str) -> float:
+    """A float flag's value: a finite number (``inf`` and ``nan`` are no setting's meaning)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text}")
+    return value
+
+
+finite_float.__name__ = "float"
+
+
+def _number(item_type):
+    return finite_float if item_type is float else item_type
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's errors in one line, like every other bad setting (not the whole usage first)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} (all options: {self.prog} --help)\n")
+
+
 def _or_none(item_type):
     """A number, or ``none`` for an optional field (e.g. ``--prefill-chunk none``: one pass)."""
 
     def parse(text: str):
-        return None if text.strip().lower() == "none" else item_type(text)
+        return None if text.strip().lower() == "none" else _number(item_type)(text)
 
     parse.__name__ = f"{item_type.__name__} or none"
     return parse
@@ -133,11 +161,11 @@ def _argparse_kwargs(annotation: Any) -> dict | None:
         choices = list(typing.get_args(annotation))
         return {"choices": choices, "type": type(choices[0])}
     if annotation in (int, float, str):
-        return {"type": annotation}
+        return {"type": _number(annotation)}
     if annotation is Path:
         return {"type": str}
     if origin is list and typing.get_args(annotation) and typing.get_args(annotation)[0] in (int, float, str):
-        return {"type": _comma_list(typing.get_args(annotation)[0]), "metavar": "A,B,..."}
+        return {"type": _comma_list(_number(typing.get_args(annotation)[0])), "metavar": "A,B,..."}
     return None
 
 
@@ -226,7 +254,7 @@ class OptionParser:
         extra_args=None,
     ) -> None:
         self.model = model
-        self.parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
+        self.parser = _OneLineParser(prog=prog, description=description, epilog=epilog)
         self.parser.add_argument(
             "--config",
             metavar="FILE.yaml",

@@ -86,10 +86,23 @@ def main(job: str, argv: list[str] | None = None) -> int:
     """Exit codes: 0 every row answered; 3 finished but rows carry an error (above --max-error-fraction);
     2 bad input or configuration (nothing ran); 1 failed part-way (committed rows stay, rerun resumes);
     130 / 143 interrupted by Ctrl-C / SIGTERM."""
-    config = config_from_args(job, argv)
-    result = run_interruptibly(lambda: _run(config))
+    parsed: list[JobConfig] = []
+
+    def work():  # parsing too: checking an object-store input or output may wait on the network
+        parsed.append(config_from_args(job, argv))
+        return _run(parsed[0])
+
+    result = run_interruptibly(work)
     if isinstance(result, int):
         return result
+    config = parsed[0]
+    calibration = result.extra.get("calibration")
+    if calibration:
+        how = "reused" if calibration["reused"] else f"calibrated in {calibration['seconds']:.0f} s on"
+        fit = calibration.get("fit") or {}
+        quality = f", held-out R2 {fit['r2']:.3f}" if "r2" in fit else ""
+        print(f"learned scorer: {how} {len(calibration.get('documents') or [])} of your documents{quality}; "
+              f"{calibration['path']}", flush=True)  # fmt: skip
     print(
         json.dumps(
             {

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.loading import load_model
 from pipeline.eval.calibration import build_cases, calibrate, priors_document, write_priors
-from pipeline.options import OptionParser, fail
+from pipeline.options import OptionParser, fail, first_paragraph
 
 
 class CalibrationJob(BaseModel):
@@ -39,9 +39,9 @@ class CalibrationJob(BaseModel):
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, _ = OptionParser(CalibrationJob, prog="jobs/calibrate_heads.py", description=__doc__.splitlines()[0]).parse(
-        argv
-    )
+    config, _ = OptionParser(
+        CalibrationJob, prog="jobs/calibrate_heads.py", description=first_paragraph(__doc__)
+    ).parse(argv)
     if not config.lengths:
         fail("invalid --lengths: give at least one length")
     depths = [round(100.0 * i / (config.depths - 1), 2) if config.depths > 1 else 50.0 for i in range(config.depths)]

@@ -12,21 +12,24 @@ fit on the held-out ones, and writes the file ``--kvzap-model`` reads (:mod:`pip
 from __future__ import annotations
 
 import math
+import os
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.distributed.cluster import ensure_ray
+from pipeline.distributed.cluster import check_model_source, ensure_ray
+from pipeline.distributed.rundir import JobConfigError
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kvzap_file import model_fingerprint, write_kvzap
 from pipeline.engine.loading import load_model
 from pipeline.eval.kvzap_calibration import DocumentTargets, document_targets, fit
 from pipeline.eval.kvzap_data import calibration_documents
-from pipeline.options import OptionParser, fail
+from pipeline.options import OptionParser, fail, first_paragraph
 
 
 class KVzapCalibrationJob(BaseModel):
@@ -142,13 +145,39 @@ def _split(targets: list[DocumentTargets], validation: float, seed: int) -> tupl
     return train, held
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OptionParser(KVzapCalibrationJob, prog="jobs/calibrate_kvzap.py", description=__doc__.splitlines()[0])
-    config, _ = parser.parse(argv)
-    if not config.lengths or any(n < 64 for n in config.lengths):
-        fail("invalid --lengths: give lengths of at least 64 tokens")
+MIN_LENGTH = 128  # the shortest documents the calibration is tested with (template, window and passes fit)
+
+
+def preflight(config: KVzapCalibrationJob) -> None:
+    """Everything that can be wrong before any work (one line, exit 2): lengths, counts that leave
+    documents to fit on, the share sizes, the output file, the model (the batch jobs' checks)."""
+    if not config.lengths or any(n < MIN_LENGTH for n in config.lengths):
+        fail(f"invalid --lengths: give lengths of at least {MIN_LENGTH} tokens")
+    counts = _per_length(config)
+    held = [max(1, round(config.validation * n)) for n in counts]
+    if any(n < 1 for n in counts) or sum(n - h for n, h in zip(counts, held)) < 1:
+        fail(f"invalid --documents: {counts} leaves no document to fit on once {held} are held out; give more")
     if sorted(config.share_sizes) != config.share_sizes or not all(0 < s <= 1 for s in config.share_sizes):
         fail("invalid --share-sizes: ascending fractions in (0, 1]")
+    output = Path(config.output).expanduser()
+    if output.is_dir():
+        fail(f"invalid --output: {output} is a directory; give the path of the file to write")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"invalid --output: cannot create {output.parent} ({exc.strerror})")
+    if not os.access(output.parent, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+        fail(f"invalid --output: {output} cannot be written (permissions)")
+    try:
+        check_model_source(config.model, bool(config.ray_address or os.environ.get("RAY_ADDRESS")))
+    except JobConfigError as exc:
+        fail(f"invalid {exc.field}: {exc.message}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OptionParser(KVzapCalibrationJob, prog="jobs/calibrate_kvzap.py", description=first_paragraph(__doc__))
+    config, _ = parser.parse(argv)
+    preflight(config)
     t0 = time.perf_counter()
 
     def log(message: str) -> None:

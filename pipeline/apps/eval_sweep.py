@@ -37,7 +37,7 @@ from pipeline.engine.loading import ModelNotFoundError, resolve_model_path
 from pipeline.eval.scoring import score_answer
 from pipeline.eval.sweep import sweep_documents, sweep_settings, token_counter
 from pipeline.kv.config import CompressionConfig, CompressionKnobs
-from pipeline.options import OptionParser, fail
+from pipeline.options import OptionParser, fail, first_paragraph
 from pipeline.report import build_report
 
 from .interrupts import run_interruptibly
@@ -190,7 +190,7 @@ def _run(job) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OptionParser(EvalJob, prog="jobs/eval_compression.py", description=__doc__.splitlines()[0])
+    parser = OptionParser(EvalJob, prog="jobs/eval_compression.py", description=first_paragraph(__doc__))
     config, _ = parser.parse(argv)
     if config.report_dir is None and is_uri(config.output):
         fail("invalid --report-dir: --output is a URI; give a local directory for the report")

@@ -26,7 +26,7 @@ from pipeline.engine.priors import resolve_head_priors
 from pipeline.eval.perturbation import method_configs, run_perturbation
 from pipeline.eval.perturbation_docs import continuation_documents, question_documents
 from pipeline.kv.config import ScoringKnobs
-from pipeline.options import CommandLineConfig, OptionParser, fail
+from pipeline.options import CommandLineConfig, OptionParser, fail, first_paragraph
 from pipeline.report.perturbation import format_headline, headline
 
 DEFAULT_METHODS = ["snapkv", "criticalkv-snapkv", "adakv-snapkv", "criticalkv-adakv-snapkv"]
@@ -59,7 +59,7 @@ class PerturbationJob(CommandLineConfig):
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, _ = OptionParser(PerturbationJob, prog="jobs/perturbation.py", description=__doc__.splitlines()[0]).parse(
+    config, _ = OptionParser(PerturbationJob, prog="jobs/perturbation.py", description=first_paragraph(__doc__)).parse(
         argv
     )
     try:

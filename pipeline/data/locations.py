@@ -12,6 +12,11 @@
 * ``gs://bucket/key`` (or ``gcs://``) → ``GcsFileSystem()``: Application Default Credentials
   (``GOOGLE_APPLICATION_CREDENTIALS``, workload identity, the metadata server).
 
+Every call to an object store is bounded: ``$CRITICALKV_STORAGE_TIMEOUT_S`` (default 20 s) caps the
+retries of a GCS request (without credentials the client otherwise retries for about 16 minutes) and
+an S3 connection; and the metadata calls (:meth:`Location.info`, :meth:`Location.entries`) run in a
+helper thread while the caller waits in short steps, so Ctrl-C and SIGTERM are acted on at once.
+
 The filesystems are built directly rather than with ``FileSystem.from_uri``, which for S3 asks the
 network for the bucket's region at parse time; here nothing touches the network until a file is
 read or written, so a configuration can be validated offline.
@@ -26,14 +31,19 @@ Semantics the pipeline relies on (see :mod:`pipeline.distributed.sink`):
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
+import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
 import pyarrow.fs as pafs
 
+T = TypeVar("T")
 TMP_PREFIX = ".tmp-"  # local writes in progress (see Location.write_bytes); readers skip names starting with "."
 OBJECT_STORE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -67,10 +77,58 @@ def s3_options(environ: os._Environ | dict | None = None) -> dict:
     return options
 
 
+def storage_timeout_s() -> float:
+    """``$CRITICALKV_STORAGE_TIMEOUT_S`` (default 20): the retry budget of one object-store request."""
+    text = os.environ.get("CRITICALKV_STORAGE_TIMEOUT_S", "").strip()
+    try:
+        value = float(text) if text else 20.0
+    except ValueError:
+        raise StorageError(f"CRITICALKV_STORAGE_TIMEOUT_S={text!r}: expected a number of seconds") from None
+    if not 0 < value < 1e6:
+        raise StorageError(f"CRITICALKV_STORAGE_TIMEOUT_S={text!r}: expected a positive number of seconds")
+    return value
+
+
 def _object_store(scheme: str) -> pafs.FileSystem:
+    timeout = storage_timeout_s()
     if scheme == "s3":
-        return pafs.S3FileSystem(**s3_options())
-    return pafs.GcsFileSystem()
+        return pafs.S3FileSystem(**s3_options(), connect_timeout=timeout)
+    return pafs.GcsFileSystem(retry_time_limit=datetime.timedelta(seconds=timeout))
+
+
+def storage_error(exc: BaseException) -> str:
+    """One short sentence for an object store's error (Google's client puts its whole retry record in
+    the message): missing credentials say which ones; other messages are cut at 300 characters."""
+    text = " ".join(str(exc).split())
+    if "OAuth2 access token" in text:
+        return (
+            "no Google Cloud credentials could be found (set GOOGLE_APPLICATION_CREDENTIALS to a key file, or run "
+            "where a service account or workload identity is attached)"
+        )
+    if "google::cloud::Status(" in text:
+        text = text.split("error_info=")[0].rstrip(" ,{")
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def interruptible(call: Callable[[], T]) -> T:
+    """``call()`` in a helper thread while this one waits in 0.1 s steps, so that a signal handler of
+    the main thread (Ctrl-C, SIGTERM) runs at once even while the call blocks in C++; the call's
+    exception is raised here."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name="criticalkv-storage-call")
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +178,9 @@ class Location:
 
     # ------------------------------------------------------------------ queries
     def info(self) -> pafs.FileInfo:
-        return self.fs.get_file_info(self.path)
+        if self.is_local:
+            return self.fs.get_file_info(self.path)
+        return interruptible(lambda: self.fs.get_file_info(self.path))
 
     def exists(self) -> bool:
         return self.info().type != pafs.FileType.NotFound
@@ -138,7 +198,9 @@ class Location:
         """Files and directories under this directory ([] when it does not exist)."""
         selector = pafs.FileSelector(self.path, allow_not_found=True, recursive=recursive)
         try:
-            return list(self.fs.get_file_info(selector))
+            if self.is_local:
+                return list(self.fs.get_file_info(selector))
+            return list(interruptible(lambda: self.fs.get_file_info(selector)))
         except (NotADirectoryError, FileNotFoundError):
             return []
 
@@ -159,7 +221,7 @@ class Location:
         if self.is_local:
             return
         bucket = self.path.split("/", 1)[0]
-        if self.fs.get_file_info(bucket).type != pafs.FileType.Directory:
+        if interruptible(lambda: self.fs.get_file_info(bucket)).type != pafs.FileType.Directory:
             raise FileNotFoundError(f"bucket {bucket!r} does not exist or is not visible with these credentials")
 
     # ------------------------------------------------------------------ reading and writing

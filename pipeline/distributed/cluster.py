@@ -17,6 +17,7 @@ import ray
 import pipeline
 from pipeline.distributed.config import JobConfig
 from pipeline.distributed.rundir import JobConfigError
+from pipeline.engine.config import ModelConfig
 from pipeline.engine.loading import (
     SHORT_NAMES,
     ModelNotFoundError,
@@ -32,15 +33,18 @@ logger = logging.getLogger(__name__)
 
 def check_model(config: JobConfig) -> dict:
     """Fail fast, before Ray starts, on a model that cannot be had or would need its own code without
-    ``trust_remote_code``; returns where it comes from (for the manifest). A Hub id or ``s3://`` /
-    ``gs://`` directory is asked with a metadata call or a listing (no weights) and its Hub revision is
-    resolved to a commit; a local path is checked only where the actors run on this machine (a local
-    Ray): on a cluster it may exist on the workers only."""
+    ``trust_remote_code``; returns where it comes from (for the manifest). See :func:`check_model_source`."""
     if config.engine_factory is not None:
         return {"kind": "engine_factory", "name": config.model.name}
-    model = config.model
+    return check_model_source(config.model, bool(config.ray_address or os.environ.get("RAY_ADDRESS")))
+
+
+def check_model_source(model: ModelConfig, remote: bool) -> dict:
+    """A Hub id or ``s3://`` / ``gs://`` directory is asked with a metadata call or a listing (no weights)
+    and its Hub revision is resolved to a commit; a local path is checked only where the actors run on
+    this machine (``remote`` False: a local Ray): on a cluster it may exist on the workers only.
+    Raises :class:`JobConfigError` naming ``model.name`` or ``model.trust_remote_code``."""
     kind = kind_of(model.name, SHORT_NAMES)
-    remote = bool(config.ray_address or os.environ.get("RAY_ADDRESS"))
     try:
         if kind == "hub":
             facts = check_hub(model.name, model.revision, model.trust_remote_code)

@@ -253,6 +253,12 @@ class JobConfig(CommandLineConfig):
     def _consistent(self) -> JobConfig:
         if self.min_actors > self.max_actors:
             raise ValueError(f"min_actors ({self.min_actors}) must not exceed max_actors ({self.max_actors})")
+        retry, size = self.oom_retry_cache_size, getattr(self.compression, "cache_size", None)  # sweeps: per setting
+        if retry is not None and size is not None and self.compression.compresses and retry >= size:
+            raise ValueError(
+                f"oom_retry_cache_size ({retry:g}) must be below the cache size ({size:g}): the retry is meant to "
+                "keep less than the first try"
+            )
         for setting in self.compression_settings():
             resolve_head_priors(setting, self.model.name)  # a headkv method needs a priors file: fail now
             if model_may_exist(self.model.name):  # else the model check names the real problem

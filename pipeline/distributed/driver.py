@@ -365,7 +365,7 @@ class _Run:
             wall_s=wall,
             rows_with_error=_with_error(final),
             docs_changed=rows.docs_changed,
-            extra={"ray": self.ray_info, "normalise": self.mode},
+            extra={"ray": self.ray_info, "normalise": self.mode, "calibration": self.calibration},
         )
 
 

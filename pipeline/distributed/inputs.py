@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
-from pipeline.data.locations import Location, StorageError, resolve
+from pipeline.data.locations import Location, StorageError, resolve, storage_error
 from pipeline.data.normalise import ColumnMapping, check_duplicate_ids, normalise_batch
 from pipeline.data.schema import DOCUMENT_SCHEMA
 from pipeline.data.sources import (
@@ -83,7 +83,7 @@ def _parquet_size(location: Location) -> int | None:
             return None
         files, unknown = directory_files(location)
     except OSError as exc:
-        raise JobConfigError("input", f"cannot access {location}: {exc}") from exc
+        raise JobConfigError("input", f"cannot access {location}: {storage_error(exc)}") from exc
     if unknown or not files or any(i.extension not in ("parquet", "pq") for i in files):
         return None  # not all Parquet: read on the driver, which also refuses or skips unknown files
     return sum(i.size or 0 for i in files)

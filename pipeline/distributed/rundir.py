@@ -21,8 +21,9 @@ import socket
 import sys
 import uuid
 from importlib import metadata
+from pathlib import Path
 
-from pipeline.data.locations import Location, StorageError, resolve
+from pipeline.data.locations import Location, StorageError, resolve, storage_error
 from pipeline.data.schema import SCHEMA_VERSION
 from pipeline.distributed.config import JobConfig, identity_differences
 
@@ -41,6 +42,33 @@ class JobConfigError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+def _canonical(location: Location) -> str:
+    """A location's URI with local symlinks resolved, ending in ``/`` (for prefix tests)."""
+    text = str(Path(location.path).resolve()) if location.is_local else location.uri
+    return text.rstrip("/") + "/"
+
+
+def check_apart(input_target: str | None, output: Location) -> None:
+    """Refuse an output inside the input, or an input inside the output (local or object storage):
+    a rerun would read its own rows as documents."""
+    if input_target is None:
+        return
+    try:
+        source = resolve(input_target)
+    except StorageError:
+        return  # the input's own check names it
+    if source.is_local and not Path(source.path).exists():
+        return  # a hub dataset name, or nothing there (the input's own check names it)
+    a, b = _canonical(source), _canonical(output)
+    if a.startswith(b) or b.startswith(a):
+        where = "is the input" if a == b else ("is inside the input" if b.startswith(a) else "holds the input")
+        raise JobConfigError(
+            "output",
+            f"{output} {where} {source}: a rerun would read the job's own output as documents; "
+            "choose an output directory outside the input",
+        )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -123,6 +151,7 @@ class OutputDir:
 
     def check(self, config: JobConfig) -> dict | None:
         """Refuse directories this configuration must not write into; returns the manifest."""
+        check_apart(config.input, self.location)
         try:
             self.location.check_bucket()
             if self.location.is_file():
@@ -130,7 +159,7 @@ class OutputDir:
             manifest = self.load_manifest()
             entries = self.location.entries() if manifest is None else []
         except OSError as exc:  # object storage: no such bucket, no credentials, no network (FileNotFoundError too)
-            raise JobConfigError("output", f"cannot access {self.location}: {exc}") from exc
+            raise JobConfigError("output", f"cannot access {self.location}: {storage_error(exc)}") from exc
         if manifest is None:
             names = [e.base_name for e in entries]
             if any(name not in (DATA_DIR, CALIBRATION_DIR) and not name.startswith(".") for name in names):

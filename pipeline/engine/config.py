@@ -129,6 +129,7 @@ class ContinuousBatching(_Strict):
     kv_memory: float | None = Field(
         None,
         gt=0,
+        allow_inf_nan=False,
         description="MiB of KV cache per actor for the continuous batch",
         json_schema_extra={
             "shown_default": "70 % of the GPU memory free once the model is loaded; on CPU 25 % of the RAM "

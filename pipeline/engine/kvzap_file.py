@@ -16,6 +16,7 @@ the fingerprint). Either failure names both models.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -80,6 +81,9 @@ def write_kvzap(path: str | Path, kvzap: KVzapModel, model_name: str, fingerprin
         "settings": json.dumps(settings),
     }
     save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600; the file is no secret: the process's umask decides
     return path
 
 
