@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +19,7 @@ from pipeline.distributed.inputs import (
     input_location,
     instruction_mapping,
 )
+from pipeline.distributed.isolation import ACTOR_TASK_RETRIES
 from pipeline.distributed.predictor import Predictor, ScoreFunction, package_fingerprint, setting_of
 
 
@@ -60,6 +62,13 @@ def kvzap_files(config: JobConfig) -> dict[str, bytes]:
     return {path: Path(path).read_bytes() for path in sorted(paths) if Path(path).is_file()}
 
 
+def job_fields(config: JobConfig, run_id: str) -> dict:
+    """The columns every row of the run shares: run, job, model (``id@revision`` when pinned) and the
+    job's setting (method, cache size, budget)."""
+    model = config.model.name + (f"@{config.model.revision}" if config.model.revision else "")
+    return {"run_id": run_id, "job": config.job, "model": model, **setting_of(config.compression).columns()}
+
+
 def build_dataset(
     config: JobConfig,
     docs: pa.Table | None,
@@ -78,30 +87,28 @@ def build_dataset(
         ds = ray.data.from_blocks(blocks_of(docs, batch_size))
     else:
         ds = ray_documents(config, done)
-    job_fields = {
-        "run_id": run_id,
-        "job": config.job,
-        "model": config.model.name + (f"@{config.model.revision}" if config.model.revision else ""),
-        **setting_of(config.compression).columns(),
-    }
+    fields = job_fields(config, run_id)
     gpu_args = {"num_gpus": config.gpus_per_actor} if config.gpus_per_actor > 0 else {}
-    return ds.map_batches(
-        Predictor,
-        fn_constructor_kwargs={
-            "model": {**config.model.model_dump(mode="json"), "revision": model_revision or config.model.revision},
-            "compression": config.compression.model_dump(mode="json"),
-            "generation": config.generation.model_dump(mode="json"),
-            "job_fields": job_fields,
-            "engine_factory": config.engine_factory,
-            "sweep": [c.model_dump(mode="json") for c in config.sweep],
-            "oom_retry_cache_size": config.oom_retry_cache_size,
-            "score": score,
-            "code_fingerprint": package_fingerprint(),
-            "kvzap_files": kvzap_files(config),
-        },
-        compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
-        num_cpus=cpus,
-        batch_size=batch_size,
-        batch_format="pyarrow",
-        **gpu_args,
-    )
+    with warnings.catch_warnings():  # Ray 2.60 has no named parameter for max_task_retries yet
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ds.map_batches(
+            Predictor,
+            fn_constructor_kwargs={
+                "model": {**config.model.model_dump(mode="json"), "revision": model_revision or config.model.revision},
+                "compression": config.compression.model_dump(mode="json"),
+                "generation": config.generation.model_dump(mode="json"),
+                "job_fields": fields,
+                "engine_factory": config.engine_factory,
+                "sweep": [c.model_dump(mode="json") for c in config.sweep],
+                "oom_retry_cache_size": config.oom_retry_cache_size,
+                "score": score,
+                "code_fingerprint": package_fingerprint(),
+                "kvzap_files": kvzap_files(config),
+            },
+            compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
+            num_cpus=cpus,
+            batch_size=batch_size,
+            batch_format="pyarrow",
+            max_task_retries=ACTOR_TASK_RETRIES,  # a batch that kills its actor twice fails its pass (isolation)
+            **gpu_args,
+        )

@@ -52,6 +52,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -71,11 +72,13 @@ from pipeline.distributed.cluster import (
     stop_dead_sessions,
 )
 from pipeline.distributed.config import JobConfig
-from pipeline.distributed.dataset import build_dataset
+from pipeline.distributed.dataset import build_dataset, job_fields
 from pipeline.distributed.failures import describe, storage_hint
 from pipeline.distributed.inputs import check_ray_input, choose_normalise, load_documents
+from pipeline.distributed.isolation import Isolation, is_worker_death
 from pipeline.distributed.manifest import RowCounts, RunRecord, close_abandoned_runs, new_manifest
 from pipeline.distributed.predictor import ScoreFunction, setting_of
+from pipeline.distributed.rows import RowMaker
 from pipeline.distributed.rundir import DATA_DIR, JobConfigError, OutputDir, host_facts, new_run_id, now_iso, versions
 from pipeline.distributed.summary import RunSummary, format_summary, summarize
 from pipeline.engine.loading import default_cache_dir
@@ -267,9 +270,12 @@ class _Run:
             run.gpu["cluster"] = cluster_gpus()
             self.ray_info = ray_facts(self.config, address, cpus)
             done = {d: sorted(q) for d, q in state.items()} if docs is None else {}
-            commit = self.model_source.get("commit")  # every actor loads the commit the driver resolved
-            ds = build_dataset(self.config, docs, done, self.run_id, cpus, self.score, model_revision=commit)
-            self._commit_results(ds, run.rows.docs_scheduled)
+            try:
+                self._pass(self.config, docs, cpus, run.rows.docs_scheduled, done)
+            except Exception as exc:  # a document that kills its worker: isolate it (pipeline.distributed.isolation)
+                if docs is None or not is_worker_death(exc):
+                    raise
+                run.worker_deaths = self._isolation(cpus).isolate(docs, self._log)
         except JobConfigError as exc:
             self._end_early(manifest, run, exc, "failed")
             raise
@@ -284,6 +290,23 @@ class _Run:
                 ray.shutdown()
                 record.stop_leftovers()
         return None
+
+    def _pass(self, config: JobConfig, docs, cpus: float, scheduled: int | None, done: dict | None = None) -> None:
+        """One Ray Data pass over ``docs`` (or the Ray-normalised input less ``done``), committed as it comes."""
+        commit = self.model_source.get("commit")  # every actor loads the commit the driver resolved
+        ds = build_dataset(config, docs, done or {}, self.run_id, cpus, self.score, model_revision=commit)
+        self._commit_results(ds, scheduled)
+
+    def _isolation(self, cpus: float) -> Isolation:
+        committer = sink.BatchCommitter(self.out.data_location, self.config.fingerprint())
+        rows = RowMaker(job_fields(self.config, self.run_id), self.settings, list(self.config.sweep), None)
+        run_pass = lambda config, docs: self._pass(config, docs, cpus, docs.num_rows)  # noqa: E731
+        missing = partial(sink.uncommitted, data=self.out.data_location, settings=self.settings, config=self.config)
+        return Isolation(self.config, run_pass, missing, lambda t: committer.commit_all([t]), rows)
+
+    def _log(self, message: str) -> None:
+        if self.echo:
+            print(message, file=sys.stderr, flush=True)
 
     def _commit_results(self, ds, docs_scheduled: int | None) -> None:
         """Drive the pipeline and commit each actor batch's rows on the driver as it arrives; rows

@@ -57,6 +57,7 @@ class RunRecord:
     summary: dict[str, Any] | None = None  # :meth:`pipeline.distributed.summary.RunSummary.as_dict`
     model_source: dict[str, Any] = field(default_factory=dict)  # kind, id/uri, revision and resolved commit
     calibration: dict[str, Any] | None = None  # the learned scorer calibrated for this job (path, documents, fit)
+    worker_deaths: list[dict[str, Any]] = field(default_factory=list)  # documents that killed their worker (id, error)
 
     def end(self, status: str, ended_at: str, error: str | None) -> None:
         self.status, self.ended_at, self.error = status, ended_at, error

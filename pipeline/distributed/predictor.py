@@ -30,8 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipeline import hooks
-from pipeline.data.normalise import question_hashes
-from pipeline.data.schema import ANSWER, SETTING, columns_filled_by, rows_to_table
+from pipeline.distributed.rows import RowMaker, ScoreFunction
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.loading import default_cache_dir
 from pipeline.engine.types import Answer, Request, Setting, row_question_ids
@@ -41,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[ModelConfig, CompressionConfig, GenerationConfig], object]
 #: (task, prediction, references, full-cache prediction of the same question in a sweep) -> score or None
-ScoreFunction = Callable[[str | None, str | None, list[str] | None, str | None], float | None]
 
 
 def resolve_factory(path: str | None) -> EngineFactory:
@@ -156,6 +154,7 @@ class Predictor:
         self.sweep = [CompressionConfig.model_validate(c) for c in sweep]
         self.settings = [setting_of(c) for c in self.sweep]
         self.score = score
+        self.rows = RowMaker(self.job_fields, self.settings, self.sweep, score)
         self.engine = resolve_factory(engine_factory)(self.model_config, self.compression, self.generation)
         if oom_retry_cache_size is not None:
             self.engine.enable_oom_retry(oom_retry_cache_size)
@@ -171,8 +170,8 @@ class Predictor:
         hooks.fire("predictor.batch", batch=self.batches, doc_ids=[str(d.get("doc_id")) for d in docs])
         rows: list[dict] = []
         for doc, answers in zip(docs, self._answer(docs)):
-            rows.extend(self._rows_for(doc, answers))
-        return self._to_table(rows)
+            rows.extend(self.rows.rows_for(doc, answers))
+        return self.rows.to_table(rows)
 
     # ------------------------------------------------------------------ generation
     def _answer(self, docs: list[dict]) -> list[dict[str, Answer] | str]:
@@ -242,75 +241,3 @@ class Predictor:
             for r, request in enumerate(requests):
                 by_request[r] += [next(it) for _ in request.question_ids]
         return [a for answers in by_request for a in answers]
-
-    # ------------------------------------------------------------------ rows
-    def _rows_for(self, doc: dict, answers: dict[str, Answer] | str) -> list[dict]:
-        """Exactly one row per row key of ``doc``, in key order."""
-        qids = list(dict.fromkeys(str(q) for q in (doc.get("question_ids") or ["0"])))  # a key once, even if repeated
-        refs = doc.get("references") or []
-        full = self._full_cache_predictions(qids, answers)
-        hashes = question_hashes(doc)
-        rows = []
-        for key, (q, setting) in self._keys(qids).items():
-            row = {
-                **self.job_fields,
-                **(setting.columns() if setting else {}),
-                "doc_id": str(doc["doc_id"]),
-                "question_id": key,
-                "task": doc.get("task"),
-                "reference": refs[q] if q < len(refs) else None,
-                "input_hash": hashes.get(qids[q]),
-            }
-            if isinstance(answers, str):
-                row["error"] = answers
-            elif key in answers:
-                row.update(self._answer_columns(answers[key]))
-                if self.score is not None and row.get("error") is None:
-                    row["score"] = self._score(row["task"], row.get("prediction"), row["reference"], full.get(q))
-            else:
-                row["error"] = "internal: the engine returned no answer for this question"
-            rows.append(row)
-        return rows
-
-    def _full_cache_predictions(self, qids: list[str], answers: dict[str, Answer] | str) -> dict[int, str]:
-        """Question index -> the full-cache setting's prediction, when a sweep includes one."""
-        full = next((s for s, c in zip(self.settings, self.sweep) if not c.compresses), None)
-        if full is None or isinstance(answers, str):
-            return {}
-        found = {i: answers.get(full.question_id(q)) for i, q in enumerate(qids)}
-        return {i: a.prediction for i, a in found.items() if a is not None and a.error is None}
-
-    def _keys(self, qids: list[str]) -> dict[str, tuple[int, Setting | None]]:
-        """Row key -> (question index, setting or None)."""
-        if not self.settings:
-            return {q: (i, None) for i, q in enumerate(qids)}
-        return {s.question_id(q): (i, s) for s in self.settings for i, q in enumerate(qids)}
-
-    @staticmethod
-    def _answer_columns(answer: Answer) -> dict:
-        row = answer.as_row()
-        return {k: v for k, v in row.items() if k in columns_filled_by(ANSWER) or k in columns_filled_by(SETTING)}
-
-    def _score(self, task, prediction, reference, full_cache_prediction) -> float | None:
-        try:
-            return self.score(task, prediction, reference, full_cache_prediction)
-        except Exception:  # noqa: BLE001 - a score that cannot be computed stays empty
-            logger.warning("scoring failed for task %r:\n%s", task, traceback.format_exc())
-            return None
-
-    def _to_table(self, rows: list[dict]) -> pa.Table:
-        try:
-            return rows_to_table(rows)
-        except ValueError:
-            pass
-        safe = []
-        for row in rows:  # find the row(s) the schema cannot hold and replace them by error rows
-            try:
-                rows_to_table([row])
-                safe.append(row)
-            except ValueError as exc:
-                identity = {
-                    k: row.get(k) for k in (*self.job_fields, "doc_id", "question_id", *columns_filled_by(SETTING))
-                }
-                safe.append({**identity, "error": f"internal: result does not fit the output schema: {exc}"[:2000]})
-        return rows_to_table(safe)

@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from pipeline.data.locations import TMP_PREFIX, Location, fsync_directory, resolve
 from pipeline.data.normalise import question_hashes
 from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
+from pipeline.engine.types import row_question_ids
 
 PART_PREFIX = "part-"
 
@@ -147,6 +148,16 @@ class BatchCommitter:
 
 
 # ---------------------------------------------------------------------- bookkeeping (driver)
+def uncommitted(docs: pa.Table, data: Location, settings: list, config) -> pa.Table:
+    """The documents of ``docs`` (normalised) that are not done in ``data``: some row key of theirs
+    has no committed row (with ``config.retry_errors``: no row without ``error``)."""
+    committed = committed_state(data)
+    keys = [row_question_ids(qs, settings) for qs in docs.column("question_ids").to_pylist()]
+    ids = docs.column("doc_id").to_pylist()
+    keep = [not committed.done(d, ks, config.retry_errors) for d, ks in zip(ids, keys)]
+    return docs.filter(pa.array(keep, pa.bool_()))
+
+
 def committed_files(data_dir: str | os.PathLike | Location) -> list[Location]:
     """Committed result files, oldest first (modification time, then name)."""
     data = resolve(data_dir)

@@ -9,7 +9,7 @@ from pipeline.distributed.manifest import RowCounts, RunRecord
 
 KEYS = [
     "run_id", "started_at", "config", "normalise", "host", "versions", "temporary_files_removed", "rows",
-    "status", "ended_at", "gpu", "wall_s", "ray", "error", "summary", "model_source", "calibration",
+    "status", "ended_at", "gpu", "wall_s", "ray", "error", "summary", "model_source", "calibration", "worker_deaths",
 ]  # fmt: skip
 
 
