@@ -157,22 +157,6 @@ def layer_reference(scores, budget):
     return counts
 
 
-def layerfloor_reference(scores, budget, alpha_safe):
-    """Cross-layer counts with AdaKV's floor, one row: each (layer, head) first takes its
-    floor(alpha * budget) best entries (its +inf window among them, as in AdaKV), then the
-    L * H * budget best of all priorities."""
-    safe = int(math.floor(budget * alpha_safe))
-    priorities = []
-    for heads in scores:
-        layer = []
-        for row in heads:
-            ranked = sorted((j for j in range(len(row)) if row[j] > -math.inf), key=lambda j: -row[j])
-            raised = set(ranked[:safe])
-            layer.append([math.inf if j in raised else s for j, s in enumerate(row)])
-        priorities.append(layer)
-    return layer_reference(priorities, budget)
-
-
 def defensivekv_reference(query, key, window, kernel, scaling):
     """Scores for ONE unpadded row: per KV head, max over the group's query heads and the last
     ``window`` queries of their causal attention (window keys dropped, avg-pooled, pooled mass
@@ -367,12 +351,7 @@ ALLOCATION_REFERENCES = {
         headkv_reference(priors, i, b, w, n, cfg.alpha_safeguard) for i in range(len(s))
     ],
     "layer": lambda s, b, w, n, cfg, priors, **_: layer_reference(s, b),
-    "layerfloor": lambda s, b, w, n, cfg, priors, **_: layerfloor_reference(s, b, cfg.alpha_safeguard),
     "shares": lambda s, b, w, n, cfg, priors, shares=None: shares_reference(shares[0], shares[1], b, w, n, *shares[2:]),
-    "layershares": lambda s, b, w, n, cfg, priors, shares=None: [
-        [(x + y) // 2 for x, y in zip(own, table)]
-        for own, table in zip(layer_reference(s, b), shares_reference(shares[0], shares[1], b, w, n, *shares[2:]))
-    ],
 }
 # Selections: (scores [n], value (n, D), o_weight, kv_head, groups, head_dim, budget, window, config) -> kept indices.
 SELECTION_REFERENCES = {

@@ -111,7 +111,7 @@ def test_shares_interpolate_in_log_length_between_calibrated_lengths():
 
 
 def test_shares_allocation_matches_the_reference_with_one_table_or_per_length():
-    from pipeline.kv.allocation.shares import shares_head_budgets
+    from pipeline.kv.allocation.shares import shares_counts
     from tests.kv.reference import shares_reference
 
     for lengths in (None, (8, 32)):
@@ -119,7 +119,8 @@ def test_shares_allocation_matches_the_reference_with_one_table_or_per_length():
         rows = torch.tensor([40, 23, 11])
         budget, window = torch.tensor([9, 5, 4]), torch.tensor([2, 2, 2])
         shares = kvzap.shares_at(budget.double() / rows.double(), rows if lengths else None)
-        got = [shares_head_budgets(shares, layer, budget, window, rows) for layer in range(3)]
+        counts = shares_counts(shares, budget, window, rows)  # (B, L, H)
+        got = [counts[:, layer] for layer in range(3)]
         extra = () if lengths is None else (list(lengths),)
         for b in range(3):
             ref = shares_reference(

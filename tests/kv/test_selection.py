@@ -8,8 +8,6 @@ import torch
 from pipeline.kv.allocation import row_budgets
 from pipeline.kv.allocation.adakv import adakv_head_budgets
 from pipeline.kv.allocation.headkv import headkv_head_budgets
-from pipeline.kv.allocation.layer import layer_head_budgets
-from pipeline.kv.allocation.layerfloor import floored_layer_head_budgets
 from pipeline.kv.scorers.snapkv import snapkv_scores
 from pipeline.kv.scorers.streamingllm import streamingllm_scores
 from pipeline.kv.selection.criticalkv import two_stage_select
@@ -17,7 +15,6 @@ from pipeline.kv.value_norms import NormStats, OutputProjection, entry_norms, l2
 
 from .reference import (
     adakv_reference,
-    layerfloor_reference,
     snapkv_reference,
     two_stage_reference,
     value_norm_reference,
@@ -147,29 +144,6 @@ def test_adakv_budgets_match_reference_and_floor():
         assert (got >= math.floor(alpha * budget)).all()
         assert got[0].tolist() == adakv_reference(scores[0].tolist(), budget, alpha)
     assert adakv_head_budgets(scores, torch.tensor([20]), 0.2)[0, 0] > 20  # adaptivity is real
-
-
-def test_layerfloor_budgets_match_reference_and_floor_every_layer_and_head():
-    torch.manual_seed(10)
-    layers, h, n = 3, 4, 80
-    scores = [torch.rand(2, h, n) ** 3 for _ in range(layers)]
-    scores[0][:, 1] *= 10  # one (layer, head) dominates, another is starved without the floor
-    scores[2][:, 3] *= 0.01
-    for s in scores:
-        s[1, :, :7] = float("-inf")  # row 1 left padded
-        s[..., -4:] = float("inf")
-    for budget, alpha in [(20, 0.2), (10, 0.5), (40, 0.0)]:
-        row_budget = torch.tensor([budget, budget])
-        got = floored_layer_head_budgets(scores, row_budget, alpha)
-        for b in range(2):
-            assert sum(int(c[b].sum()) for c in got) == layers * h * budget
-            assert all(bool((c[b] >= math.floor(alpha * budget)).all()) for c in got)
-            ref = layerfloor_reference([s[b].tolist() for s in scores], budget, alpha)
-            assert [c[b].tolist() for c in got] == ref
-    floored = floored_layer_head_budgets(scores, torch.tensor([40, 40]), 0.2)
-    bare = layer_head_budgets(scores, torch.tensor([40, 40]))
-    assert int(bare[2][0, 3]) < 8 <= int(floored[2][0, 3])  # the floor (8, window of 4 included) is real
-    assert int(floored[0][0, 1]) > 40  # and the rest still follows the scores across layers
 
 
 def test_headkv_budgets_follow_priors():

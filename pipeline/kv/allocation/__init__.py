@@ -1,7 +1,7 @@
 """Allocations: one module each, registered here by name (see :mod:`pipeline.kv.parts`)."""
 
 from ..parts import Allocation, Registry
-from . import adakv, headkv, layer, layerfloor, layershares, shares, uniform
+from . import adakv, headkv, layer, shares, uniform
 from .common import row_budgets
 
 ALLOCATIONS: Registry[Allocation] = Registry(
@@ -11,9 +11,7 @@ ALLOCATIONS: Registry[Allocation] = Registry(
         adakv.AdaKV(),
         headkv.HeadKVAllocation(),
         layer.LayerAllocation(),
-        layerfloor.LayerFloorAllocation(),
         shares.SharesAllocation(),
-        layershares.LayerSharesAllocation(),
     ],
 )
 

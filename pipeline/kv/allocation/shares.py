@@ -40,13 +40,6 @@ def shares_counts(
     return torch.stack(out).to(row_budget.device)
 
 
-def shares_head_budgets(
-    shares: torch.Tensor, layer_idx: int, row_budget: torch.Tensor, row_window: torch.Tensor, lengths: torch.Tensor
-) -> torch.Tensor:
-    """shares: (B, L, H) non-negative per row -> (B, H) long counts of layer ``layer_idx``."""
-    return shares_counts(shares, row_budget, row_window, lengths)[:, layer_idx]
-
-
 def table_counts(ctx: LayerContext) -> torch.Tensor:
     """(B, L, H_kv) long counts of every layer from the KVzap file's shares at each row's kept fraction
     and length (needs only the context's budgets, windows, lengths and KVzap model, the same for every
