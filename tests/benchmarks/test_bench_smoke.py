@@ -289,3 +289,20 @@ def test_decode_precision_compares_both_dense_kernels_on_a_tiny_model():
     for r in result["kernels"].values():
         assert 0.0 <= r["top1"] <= 1.0 and 0.0 < r["max_abs"] < result["ref_scale"]
     assert 0.0 < result["between"] < result["ref_scale"]  # bf16 kernels differ, by less than the logits' size
+
+
+def test_sizing_uses_the_stores_bytes_per_kept_token():
+    import torch
+
+    from benchmarks.sizing import kv_bytes_per_token, rows
+    from pipeline.kv.store import VarLenLayer
+
+    heads, n, dim = 3, 10, 16
+    key = torch.randn(1, heads, n, dim, dtype=torch.bfloat16)
+    keep = torch.zeros(1, heads, n, dtype=torch.bool)
+    keep[..., :4] = True  # 4 of 10 tokens kept in every head
+    layer = VarLenLayer.from_dense(key, key.clone(), torch.arange(n)[None], keep)
+    segment_tables = heads * 3 * 8  # start, length, capacity: int64 per (row, head)
+    assert int(layer.bytes_per_row()[0]) == 4 * kv_bytes_per_token(1, heads, dim) + segment_tables
+    table = rows([24.0, 80.0])
+    assert len(table) == 2 + 2 * 4 and "| Llama-3.1-8B | 24 GiB | 15.0 | 129.0 |" in table[2]
