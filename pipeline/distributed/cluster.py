@@ -26,7 +26,7 @@ from pipeline.engine.loading import (
     check_remote_code,
     resolve_model_path,
 )
-from pipeline.engine.model_source import check_hub, check_object_store, kind_of
+from pipeline.engine.model_source import check_hub, check_object_store, hub_offline, kind_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ def check_model_source(model: ModelConfig, remote: bool) -> dict:
     Raises :class:`JobConfigError` naming ``model.name`` or ``model.trust_remote_code``."""
     kind = kind_of(model.name, SHORT_NAMES)
     try:
+        if kind == "hub" and remote and hub_offline():  # the workers' caches may hold it, the driver's not
+            return {"kind": kind, "id": model.name, "revision": model.revision, "offline": True, "checked": False}
         if kind == "hub":
             facts = check_hub(model.name, model.revision, model.trust_remote_code)
             check_remote_code(Path(facts.pop("config_file")), model)

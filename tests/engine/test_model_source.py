@@ -190,3 +190,15 @@ def test_s3_preflight_names_a_missing_directory_and_missing_weights(s3_model):
         check_object_store("s3://models/nothing-here", False)
     with pytest.raises(ModelNotFoundError, match="could not be read"):
         check_object_store("s3://no-such-bucket/tiny", False)
+
+
+def test_offline_driver_of_a_remote_cluster_leaves_the_check_to_the_workers(monkeypatch, tmp_path):
+    from pipeline.distributed.cluster import check_model_source
+    from pipeline.distributed.rundir import JobConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    facts = check_model_source(ModelConfig(name="org/only-on-the-workers"), remote=True)
+    assert facts["checked"] is False and facts["offline"] is True
+    with pytest.raises(JobConfigError, match="HF_HUB_OFFLINE"):  # a local Ray: this machine is where it runs
+        check_model_source(ModelConfig(name="org/only-on-the-workers"), remote=False)
