@@ -372,6 +372,9 @@ class _Run:
             print(format_summary(summary, f"{self.config.job} run {self.run_id}"), flush=True)
             if missing:
                 print(f"WARNING: {missing} expected rows are missing from {data}", flush=True)
+            if run.worker_deaths:
+                ids = ", ".join(d["doc_id"] for d in run.worker_deaths)
+                print(f"documents that killed their worker every time (rows with error): {ids}", flush=True)
         return RunResult(
             run_id=self.run_id,
             output_dir=self.out.path,

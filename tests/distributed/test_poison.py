@@ -36,8 +36,10 @@ def test_documents_that_kill_their_worker_get_error_rows_and_the_job_goes_on(
     t0 = time.perf_counter()
     code = main("longdoc_qa", ["--input", str(path), "--output", str(tmp_path / "out"), *JOB])
     seconds = time.perf_counter() - t0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert code == 3, err[-3000:]
+    assert "documents that killed their worker every time (rows with error): " + ", ".join(victims) in captured.out
     rows = _rows(tmp_path / "out")
     by_doc: dict[str, list[dict]] = {}
     for row in rows:
