@@ -1,51 +1,81 @@
-"""Pair the self-calibrated rows with the shipped file's rows per document and cell."""
-import sys, math
-import pyarrow.parquet as pq
+"""Pair two sweeps' rows of one method per document and cache size: score ÷ the full cache's (mean over
+tasks), mean answer NLL Δ, and a two-sided sign test on the NLL Δ; optionally only the documents a
+KVzap file was not calibrated on.
+
+    python docs/results/self-calibration/compare.py A/data B/data [--method-b NAME] [--exclude-calibrated FILE]
+
+``A`` holds ``criticalkv-shares-kvzap`` rows (the file under test); ``B`` the same method's rows of the
+reference, or ``--method-b`` (e.g. ``criticalkv-layer-kvzip``). Both sweeps must hold the same documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
 from collections import defaultdict
 
-def load(path, method):
-    t = pq.read_table(path).to_pylist()
-    full = {}
-    cells = defaultdict(dict)
-    for r in t:
-        if r["method"] == "none":
-            full[(r["doc_id"], r["question_id"].split("|")[0])] = r
-        elif r["method"] == method:
-            cells[r["cache_size"]][(r["doc_id"], r["question_id"].split("|")[0])] = r
+import pyarrow.parquet as pq
+from safetensors import safe_open
+
+METHOD = "criticalkv-shares-kvzap"
+
+
+def load(path: str, method: str) -> tuple[dict, dict]:
+    """(doc_id -> full-cache row, cache size -> {doc_id -> row of ``method``})."""
+    full, cells = {}, defaultdict(dict)
+    for row in pq.read_table(path).to_pylist():
+        if row["method"] == "none":
+            full[row["doc_id"]] = row
+        elif row["method"] == method:
+            cells[row["cache_size"]][row["doc_id"]] = row
     return full, cells
 
-def sign_p(wins, losses):
-    n = wins + losses
-    if n == 0: return 1.0
-    k = min(wins, losses)
-    p = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-    return min(1.0, 2 * p)
 
-def task_mean(rows, full):
-    by = defaultdict(list); byf = defaultdict(list)
-    for key, r in rows.items():
-        by[r["task"]].append(r["score"] or 0.0)
-        byf[r["task"]].append(full[key]["score"] or 0.0)
-    ratios = []
-    s = sum(sum(v)/len(v) for v in by.values())/len(by)
-    f = sum(sum(v)/len(v) for v in byf.values())/len(byf)
-    return s, f
+def sign_p(worse: int, better: int) -> float:
+    n, k = worse + better, min(worse, better)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
 
-self_path, ship_path, method = sys.argv[1], sys.argv[2], "criticalkv-shares-kvzap"
-fs, cs = load(self_path, method)
-fp, cp = load(ship_path, method)
-print(f"documents: self {len(fs)}, shipped {len(fp)}")
-same_full = sum(1 for k in fs if k in fp and fs[k]["prediction"] == fp[k]["prediction"])
-print(f"full-cache rows with the same prediction in both sweeps: {same_full}/{len(fs)}")
-for size in sorted(cs):
-    a, b = cs[size], cp.get(size, {})
-    keys = [k for k in a if k in b]
-    sa, f = task_mean({k: a[k] for k in keys}, fs)
-    sb, fb = task_mean({k: b[k] for k in keys}, fp)
-    na = sum(a[k]["answer_nll_delta"] for k in keys) / len(keys)
-    nb = sum(b[k]["answer_nll_delta"] for k in keys) / len(keys)
-    worse = sum(1 for k in keys if a[k]["answer_nll_delta"] > b[k]["answer_nll_delta"] + 1e-9)
-    better = sum(1 for k in keys if a[k]["answer_nll_delta"] < b[k]["answer_nll_delta"] - 1e-9)
-    kept = max(r["kv_bytes_kept"] / r["kv_bytes_full"] for r in a.values())
-    print(f"size {size}: n={len(keys)} score/full self {sa/f:.2f} shipped {sb/fb:.2f} (full {f:.3f}); "
-          f"NLL d self {na:.3f} shipped {nb:.3f}; self worse in {worse}, better in {better}, p={sign_p(worse, better):.3f}; max kept {kept:.4f}")
+
+def score_ratio(cells: dict, full: dict, docs: list[str]) -> float:
+    """Mean over tasks of the method's mean score, over the same for the full cache."""
+    mine, ref = defaultdict(list), defaultdict(list)
+    for doc in docs:
+        mine[cells[doc]["task"]].append(cells[doc]["score"] or 0.0)
+        ref[full[doc]["task"]].append(full[doc]["score"] or 0.0)
+    mean = lambda by: sum(sum(v) / len(v) for v in by.values()) / len(by)  # noqa: E731
+    return mean(mine) / mean(ref)
+
+
+def calibrated_on(path: str) -> set[str]:
+    with safe_open(path, "pt") as handle:
+        return set(json.loads(handle.metadata()["settings"]).get("documents") or [])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("a")
+    parser.add_argument("b")
+    parser.add_argument("--method-b", default=METHOD)
+    parser.add_argument("--exclude-calibrated", help="a KVzap file: leave out the documents it was calibrated on")
+    args = parser.parse_args()
+    full_a, cells_a = load(args.a, METHOD)
+    full_b, cells_b = load(args.b, args.method_b)
+    skip = calibrated_on(args.exclude_calibrated) if args.exclude_calibrated else set()
+    for size in sorted(cells_a):
+        a, b = cells_a[size], cells_b.get(size, {})
+        docs = sorted(d for d in a if d in b and d not in skip)
+        nll_a = sum(a[d]["answer_nll_delta"] for d in docs) / len(docs)
+        nll_b = sum(b[d]["answer_nll_delta"] for d in docs) / len(docs)
+        worse = sum(a[d]["answer_nll_delta"] > b[d]["answer_nll_delta"] + 1e-9 for d in docs)
+        better = sum(a[d]["answer_nll_delta"] < b[d]["answer_nll_delta"] - 1e-9 for d in docs)
+        kept = max(r["kv_bytes_kept"] / r["kv_bytes_full"] for r in a.values())
+        print(
+            f"cache {size}: {len(docs)} documents; score / full {score_ratio(a, full_a, docs):.2f} vs "
+            f"{score_ratio(b, full_b, docs):.2f}; NLL delta {nll_a:.3f} vs {nll_b:.3f}; A worse in {worse}, "
+            f"better in {better}, sign test p = {sign_p(worse, better):.3f}; largest kept bytes {kept:.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
