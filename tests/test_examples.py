@@ -22,11 +22,27 @@ SOURCES = [ROOT / "README.md", ROOT / "infra" / "README.md", *sorted((ROOT / "do
 COMMAND = re.compile(r"(?:\S*/)?python3? (?:/app/)?(jobs/[A-Za-z0-9_]+\.py)((?: .*)?)$")
 
 
+def _shell_blocks(text: str) -> list[str]:
+    """The bodies of the text's fenced code blocks that are shell (no language, bash, sh, console, shell)."""
+    blocks, body, language = [], None, ""
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if body is None:
+                body, language = [], line[3:].strip()
+            else:
+                if language in ("", "bash", "sh", "console", "shell"):
+                    blocks.append("\n".join(body))
+                body = None
+        elif body is not None:
+            body.append(line)
+    return blocks
+
+
 def _commands(text: str) -> list[tuple[str, list[str]]]:
     """(script, arguments) of each ``python jobs/<x>.py ...`` line in the text's code blocks
     (continuations joined; comments, ``[optional ...]`` groups and ``...`` placeholders left out)."""
     out = []
-    for block in re.findall(r"```(?:bash|sh|console|shell)?\n(.*?)```", text, flags=re.DOTALL):
+    for block in _shell_blocks(text):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             line = line.split(" #")[0].strip()
             match = COMMAND.search(line)
