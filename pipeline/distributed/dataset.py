@@ -77,10 +77,12 @@ def build_dataset(
     cpus: float,
     score: ScoreFunction | None = None,
     model_revision: str | None = None,
+    one_call_per_actor: bool = False,
 ):
     """The job's dataset: ``docs`` (driver-normalised) or the Ray-normalised input, then the actors.
     ``model_revision``: the Hub commit the driver resolved, which every actor loads (default: the
-    configured revision)."""
+    configured revision); ``one_call_per_actor``: no batch waits queued on an actor (an actor that
+    dies then fails only the batch it was answering: the isolation passes)."""
     batch_size = config.batch_size_for(docs.num_rows if docs is not None else None)
     if docs is not None:
         # from_blocks keeps one block per actor batch and needs no remote tasks (from_arrow runs one per table)
@@ -105,7 +107,11 @@ def build_dataset(
                 "code_fingerprint": package_fingerprint(),
                 "kvzap_files": kvzap_files(config),
             },
-            compute=ActorPoolStrategy(min_size=config.min_actors, max_size=config.max_actors),
+            compute=ActorPoolStrategy(
+                min_size=config.min_actors,
+                max_size=config.max_actors,
+                max_tasks_in_flight_per_actor=1 if one_call_per_actor else None,
+            ),
             num_cpus=cpus,
             batch_size=batch_size,
             batch_format="pyarrow",

@@ -291,16 +291,16 @@ class _Run:
                 record.stop_leftovers()
         return None
 
-    def _pass(self, config: JobConfig, docs, cpus: float, scheduled: int | None, done: dict | None = None) -> None:
-        """One Ray Data pass over ``docs`` (or the Ray-normalised input less ``done``), committed as it comes."""
+    def _pass(self, config: JobConfig, docs, cpus: float, scheduled: int | None, done=None, alone=False) -> None:
+        """One Ray Data pass over ``docs`` (or the Ray input less ``done``), committed as it comes."""
         commit = self.model_source.get("commit")  # every actor loads the commit the driver resolved
-        ds = build_dataset(config, docs, done or {}, self.run_id, cpus, self.score, model_revision=commit)
+        ds = build_dataset(config, docs, done or {}, self.run_id, cpus, self.score, commit, one_call_per_actor=alone)
         self._commit_results(ds, scheduled)
 
     def _isolation(self, cpus: float) -> Isolation:
         committer = sink.BatchCommitter(self.out.data_location, self.config.fingerprint())
         rows = RowMaker(job_fields(self.config, self.run_id), self.settings, list(self.config.sweep), None)
-        run_pass = lambda config, docs: self._pass(config, docs, cpus, docs.num_rows)  # noqa: E731
+        run_pass = lambda config, docs: self._pass(config, docs, cpus, docs.num_rows, alone=True)  # noqa: E731
         missing = partial(sink.uncommitted, data=self.out.data_location, settings=self.settings, config=self.config)
         return Isolation(self.config, run_pass, missing, lambda t: committer.commit_all([t]), rows)
 
