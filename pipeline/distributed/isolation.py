@@ -7,8 +7,9 @@ and retries the batch, which kills it again. The actor pool retries a dead actor
 run's first pass with a worker-death error (:func:`is_worker_death`). The driver then isolates:
 
 1. the documents without committed rows run again in their batches, with Ray Data told to drop a
-   block that fails (``DataContext.max_errored_blocks``) instead of stopping: every batch without
-   the poison document is answered and committed;
+   block that fails (``DataContext.max_errored_blocks``) instead of stopping, and each actor given one
+   batch at a time (Ray Data queues two by default, and an actor's death fails both): every batch
+   without the poison document is answered and committed;
 2. those still missing run again one per batch, so that each poison document dies alone;
 3. with ``--oom-retry-cache-size`` set, those still missing run once more alone at that smaller
    cache size (the rows' ``cache_size`` column says so);
