@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 import ray
 
-from pipeline.apps.calibrate_kvzap import collect_targets
+from pipeline.apps.calibrate_kvzap import KVzapCalibrationJob, collect_targets
 from pipeline.data.locations import resolve
 from pipeline.distributed.cluster import check_resources, ensure_ray
 from pipeline.distributed.config import JobConfig
@@ -36,8 +36,9 @@ from pipeline.engine.kvzap_file import read_metadata, shipped_kvzap, write_kvzap
 from pipeline.engine.loading import default_cache_dir
 from pipeline.eval.kvzap_calibration import fit
 
-SHARE_SIZES = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9]  # as jobs/calibrate_kvzap.py
-SAMPLE_TOKENS, VALIDATION, SEED = 256, 0.25, 0
+_DEFAULTS = KVzapCalibrationJob.model_fields  # the calibration job's defaults, used as they are
+SHARE_SIZES, SAMPLE_TOKENS = _DEFAULTS["share_sizes"].default, _DEFAULTS["sample_tokens"].default
+VALIDATION, SEED = _DEFAULTS["validation"].default, _DEFAULTS["seed"].default
 
 
 def needs_calibration(config: JobConfig) -> bool:

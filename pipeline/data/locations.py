@@ -177,10 +177,14 @@ class Location:
         return self.uri
 
     # ------------------------------------------------------------------ queries
-    def info(self) -> pafs.FileInfo:
+    def _ask(self, what) -> object:
+        """``self.fs.get_file_info(what)``: directly on a local disk, :func:`interruptible` on a store."""
         if self.is_local:
-            return self.fs.get_file_info(self.path)
-        return interruptible(lambda: self.fs.get_file_info(self.path))
+            return self.fs.get_file_info(what)
+        return interruptible(lambda: self.fs.get_file_info(what))
+
+    def info(self) -> pafs.FileInfo:
+        return self._ask(self.path)
 
     def exists(self) -> bool:
         return self.info().type != pafs.FileType.NotFound
@@ -198,9 +202,7 @@ class Location:
         """Files and directories under this directory ([] when it does not exist)."""
         selector = pafs.FileSelector(self.path, allow_not_found=True, recursive=recursive)
         try:
-            if self.is_local:
-                return list(self.fs.get_file_info(selector))
-            return list(interruptible(lambda: self.fs.get_file_info(selector)))
+            return list(self._ask(selector))
         except (NotADirectoryError, FileNotFoundError):
             return []
 
@@ -221,7 +223,7 @@ class Location:
         if self.is_local:
             return
         bucket = self.path.split("/", 1)[0]
-        if interruptible(lambda: self.fs.get_file_info(bucket)).type != pafs.FileType.Directory:
+        if self._ask(bucket).type != pafs.FileType.Directory:
             raise FileNotFoundError(f"bucket {bucket!r} does not exist or is not visible with these credentials")
 
     # ------------------------------------------------------------------ reading and writing

@@ -52,7 +52,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -212,8 +211,7 @@ class _Run:
         doc_ids = docs.column("doc_id").to_pylist()
         keys = [row_question_ids(qs, self.settings) for qs in docs.column("question_ids").to_pylist()]
         expected = {(d, k) for d, ks in zip(doc_ids, keys) for k in ks}
-        keep = [not committed.done(d, ks, self.config.retry_errors) for d, ks in zip(doc_ids, keys)]
-        docs = docs.filter(pa.array(keep, pa.bool_()))
+        docs = sink.uncommitted(docs, committed, self.settings, self.config.retry_errors)
         counts = {
             "docs_input": len(doc_ids),
             "docs_skipped": len(doc_ids) - docs.num_rows,
@@ -301,7 +299,9 @@ class _Run:
         committer = sink.BatchCommitter(self.out.data_location, self.config.fingerprint())
         rows = RowMaker(job_fields(self.config, self.run_id), self.settings, list(self.config.sweep), None)
         run_pass = lambda config, docs: self._pass(config, docs, cpus, docs.num_rows, alone=True)  # noqa: E731
-        missing = partial(sink.uncommitted, data=self.out.data_location, settings=self.settings, config=self.config)
+
+        data, settings, retry = self.out.data_location, self.settings, self.config.retry_errors  # read per pass
+        missing = lambda docs: sink.uncommitted(docs, sink.committed_state(data), settings, retry)  # noqa: E731
         return Isolation(self.config, run_pass, missing, lambda t: committer.commit_all([t]), rows)
 
     def _log(self, message: str) -> None:

@@ -34,8 +34,6 @@ from ray.data import DataContext
 from pipeline.distributed.config import JobConfig
 from pipeline.distributed.rows import RowMaker
 
-logger = logging.getLogger(__name__)
-
 #: a batch whose actor died is retried once on a restarted actor before its pass gives up on it
 ACTOR_TASK_RETRIES = 1
 _RAY_DATA_BLOCK_ERRORS = "ray.data._internal.execution.streaming_executor_state"

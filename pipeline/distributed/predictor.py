@@ -149,12 +149,10 @@ class Predictor:
         sweep = [{**c, "kvzap_model": local.get(c.get("kvzap_model"), c.get("kvzap_model"))} for c in sweep or []]
         self.compression = CompressionConfig.model_validate(compression)
         self.generation = GenerationConfig.model_validate(generation)
-        self.job_fields = dict(job_fields)
         self.batches = 0
         self.sweep = [CompressionConfig.model_validate(c) for c in sweep]
         self.settings = [setting_of(c) for c in self.sweep]
-        self.score = score
-        self.rows = RowMaker(self.job_fields, self.settings, self.sweep, score)
+        self.rows = RowMaker(job_fields, self.settings, self.sweep, score)
         self.engine = resolve_factory(engine_factory)(self.model_config, self.compression, self.generation)
         if oom_retry_cache_size is not None:
             self.engine.enable_oom_retry(oom_retry_cache_size)

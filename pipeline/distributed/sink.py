@@ -148,13 +148,12 @@ class BatchCommitter:
 
 
 # ---------------------------------------------------------------------- bookkeeping (driver)
-def uncommitted(docs: pa.Table, data: Location, settings: list, config) -> pa.Table:
-    """The documents of ``docs`` (normalised) that are not done in ``data``: some row key of theirs
-    has no committed row (with ``config.retry_errors``: no row without ``error``)."""
-    committed = committed_state(data)
+def uncommitted(docs: pa.Table, committed: Committed, settings: list, retry_errors: bool) -> pa.Table:
+    """The documents of ``docs`` (normalised) that are not done in ``committed``: some row key of theirs
+    has no committed row (with ``retry_errors``: no row without ``error``)."""
     keys = [row_question_ids(qs, settings) for qs in docs.column("question_ids").to_pylist()]
     ids = docs.column("doc_id").to_pylist()
-    keep = [not committed.done(d, ks, config.retry_errors) for d, ks in zip(ids, keys)]
+    keep = [not committed.done(d, ks, retry_errors) for d, ks in zip(ids, keys)]
     return docs.filter(pa.array(keep, pa.bool_()))
 
 

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import os
@@ -32,7 +31,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .config import ModelConfig
 from .feed_forward import chunk_feed_forward
-from .model_source import ModelNotFoundError, fetch_hub, fetch_object_store, kind_of
+from .model_source import ModelNotFoundError, fetch_hub, fetch_object_store, kind_of, node_lock
 
 __all__ = ["ModelNotFoundError", "RemoteCodeRefused", "LoadedModel", "load_model", "resolve_model_path"]
 
@@ -106,9 +105,7 @@ def bundled_gguf(short_name: str) -> Path:
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantise a GGUF once and save it as safetensors + tokenizer into ``target`` (atomic)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / (target.name + ".lock")
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with node_lock(target.parent / (target.name + ".lock")):
         if (target / "config.json").is_file():
             return
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))

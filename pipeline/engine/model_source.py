@@ -17,8 +17,9 @@ A model name is one of (:func:`kind_of`):
 Only the files a safetensors model needs are fetched (:data:`WEIGHT_PATTERNS`): JSON configs, the
 tokenizer, ``*.safetensors``; never pickled weights, and Python files only with ``trust_remote_code``.
 
-:func:`check_source` is the driver's pre-flight: one or two metadata calls, no weights, each failure a
-:class:`ModelNotFoundError` with one sentence naming the model and what to do.
+:func:`check_hub` and :func:`check_object_store` are the driver's pre-flight: a metadata call or a
+listing, no weights, each failure a :class:`ModelNotFoundError` with one sentence naming the model and
+what to do.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from pipeline.data.locations import OBJECT_STORE_SCHEMES, is_uri, resolve
 
 #: the files of a safetensors model and its tokenizer (configs, vocabularies, chat templates, weights)
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-SHORT_NAME_KINDS = ("bundled",)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -70,7 +70,7 @@ def _patterns(trust_remote_code: bool) -> list[str]:
 
 
 @contextmanager
-def _node_lock(path: Path):
+def node_lock(path: Path):
     """An exclusive ``flock`` on ``path`` (created): one process of the node at a time."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
@@ -201,7 +201,7 @@ def fetch_hub(name: str, revision: str | None, trust_remote_code: bool, lock_dir
     the second actor of a node waits and then finds every file cached). Offline: the cached snapshot,
     only when complete."""
     lock = lock_dir / "locks" / ("hub-" + name.replace("/", "--") + ".lock")
-    with _node_lock(lock):
+    with node_lock(lock):
         try:
             path = huggingface_hub.snapshot_download(
                 name, revision=revision, allow_patterns=_patterns(trust_remote_code), local_files_only=hub_offline()
@@ -227,6 +227,10 @@ def _listing(uri: str, trust_remote_code: bool) -> dict[str, list]:
     return out
 
 
+def _no_config(uri: str) -> ModelNotFoundError:
+    return ModelNotFoundError(f"model {uri!r}: no config.json in that directory (expected a saved model)")
+
+
 def check_object_store(uri: str, trust_remote_code: bool) -> dict:
     """Pre-flight for an ``s3://`` / ``gs://`` model directory: one listing and ``config.json`` read; it
     must hold ``config.json`` and safetensors weights. ``config``: the parsed ``config.json``."""
@@ -235,7 +239,7 @@ def check_object_store(uri: str, trust_remote_code: bool) -> dict:
         location.check_bucket()
         listing = _listing(uri, trust_remote_code)
         if "config.json" not in listing:
-            raise ModelNotFoundError(f"model {uri!r}: no config.json in that directory (expected a saved model)")
+            raise _no_config(uri)
         if not any(name.endswith(".safetensors") for name in listing):
             raise ModelNotFoundError(f"model {uri!r}: no *.safetensors weights there (pickled weights are not loaded)")
         config = json.loads(location.child("config.json").read_bytes())
@@ -257,13 +261,13 @@ def fetch_object_store(uri: str, trust_remote_code: bool, cache_dir: Path) -> Pa
     location = resolve(uri)
     digest = hashlib.sha256(location.uri.encode()).hexdigest()[:16]
     target = cache_dir / "models" / "remote" / f"{digest}-{location.name or 'model'}"
-    with _node_lock(target.parent / (target.name + ".lock")):
+    with node_lock(target.parent / (target.name + ".lock")):
         listing = _listing(uri, trust_remote_code)
         source_file = target / ".source.json"
         if source_file.is_file() and json.loads(source_file.read_text()).get("files") == listing:
             return target
         if "config.json" not in listing:
-            raise ModelNotFoundError(f"model {uri!r}: no config.json in that directory (expected a saved model)")
+            raise _no_config(uri)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
         try:
             for relative in listing:
