@@ -8,8 +8,8 @@
 #    that is missing is installed only from local wheels ($GPU_CHECK_WHEELS, default ./wheels) with
 #    `pip install --no-index`.
 # 2. benchmarks/gpu_check.py: random Llama-3.1-8B-shaped model, 8K and 32K tokens, prefill of
-#    none / snapkv / criticalkv-snapkv / criticalkv-adakv-snapkv / the default criticalkv-layer-kvzip /
-#    kvzip / the learned criticalkv-shares-kvzap, one pass and chunked, decode full vs 20 % cache
+#    none / snapkv / criticalkv-snapkv / criticalkv-adakv-snapkv / criticalkv-layer-kvzip (best answers) /
+#    kvzip / the default criticalkv-shares-kvzap, one pass and chunked, decode full vs 20 % cache
 #    (uniform and ragged), kept KV bytes, peak memory, and decode
 #    tokens/s at the largest batch that fits 40 GiB of KV; Markdown tables. At most
 #    $GPU_CHECK_BENCH_BUDGET_S seconds (default 235; it starts no measurement in the last 45).

@@ -28,7 +28,7 @@ import ray
 
 from pipeline.apps.calibrate_kvzap import KVzapCalibrationJob, collect_targets
 from pipeline.data.locations import resolve
-from pipeline.distributed.cluster import check_resources, ensure_ray
+from pipeline.distributed.cluster import check_model, check_resources, ensure_ray
 from pipeline.distributed.config import JobConfig
 from pipeline.distributed.inputs import choose_normalise, load_documents
 from pipeline.distributed.rundir import CALIBRATION_DIR, JobConfigError, OutputDir
@@ -89,6 +89,7 @@ def calibrate_for_job(config: JobConfig, log) -> tuple[JobConfig, dict | None]:
     if getattr(config, "calibrate", "off") == "off":  # the config's validator has refused it already
         return config, None
     OutputDir(config.output).check(with_file(config, path))  # a refused output fails before the work
+    check_model(config)  # a model that cannot be had fails here (exit 2), not in the calibration's actors
     facts = _calibrate(config, path, log)
     return with_file(config, path), facts
 

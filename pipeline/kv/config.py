@@ -289,8 +289,11 @@ class CompressionConfig(MethodChoice, CompressionKnobs):
 
 
 #: The product's default compression, for the batch jobs and ``pipeline.generate`` alike; chosen by
-#: measurement (why this one and not the learned one-pass method: docs/results/kvzap/README.md).
-DEFAULT_METHOD = "criticalkv-layer-kvzip"
+#: measurement (docs/results/template-protection/README.md, "The default"): the learned one-pass scorer
+#: keeps 0.91-0.94x of the full cache's RULER score at 0.4 with a plain prefill's time, where KVzip's
+#: passes (``criticalkv-layer-kvzip``, the best answers) cost 4x on CPU and 12-26x on a GPU. A model
+#: without a shipped KVzap file is calibrated by the batch job on its own documents (``--calibrate``).
+DEFAULT_METHOD = "criticalkv-shares-kvzap"
 DEFAULT_CACHE_SIZE = 0.4
 
 

@@ -306,3 +306,40 @@ def test_sizing_uses_the_stores_bytes_per_kept_token():
     assert int(layer.bytes_per_row()[0]) == 4 * kv_bytes_per_token(1, heads, dim) + segment_tables
     table = rows([24.0, 80.0])
     assert len(table) == 2 + 2 * 4 and "| Llama-3.1-8B | 24 GiB | 15.0 | 129.0 |" in table[2]
+
+
+def test_kept_composition_classes_and_masks_on_a_tiny_engine():
+    """Each context token gets one class (template head, window, the needle holding the answer, other
+    needles, the instruction, haystack), and the kept masks are the cache's kept positions."""
+    from benchmarks import kept_composition as kc
+    from pipeline.engine.config import GenerationConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.kv.config import CompressionConfig
+
+    loaded = tiny_loaded("llama", layers=2)
+    engine = Engine(loaded, CompressionConfig(method="snapkv", cache_size=0.3, window=4), GenerationConfig())
+    filler = "the grass is green and the sky is blue . " * 4
+    context = (
+        "Remember the numbers.\n"
+        + filler
+        + "One of the special magic numbers for cat is: 123. "
+        + filler
+        + "One of the special magic numbers for dog is: 456. "
+        + filler
+    )
+    doc = {"doc_id": "d", "context": context, "questions": ["cat?"], "answer_prefix": "", "references": [["123"]]}
+    mask, prefix = kc.kept_masks(engine, doc)
+    prompt = engine.prompts.encode(context, ["cat?"])
+    assert prefix == prompt.prefix_tokens and mask.shape == (2, engine.shape.num_kv_heads, len(prompt.context_ids))
+    cache = engine.compress_context(kc.Request("d", context, ["cat?"]))
+    assert mask.sum().item() == sum(len(cache.kept_positions(i, 0, h)) for i in range(2) for h in range(mask.shape[1]))
+    classes = kc.token_classes(engine.tokenizer, doc, prefix, mask.shape[-1], window=4)
+    names = [kc.CLASSES[c] for c in classes.tolist()]
+    assert names[:prefix] == ["template"] * prefix and names[-4:] == ["window"] * 4
+    tokens = prompt.context_ids
+    needle = [engine.tokenizer.decode([tokens[i]]) for i, n in enumerate(names) if n == "needle"]
+    other = [engine.tokenizer.decode([tokens[i]]) for i, n in enumerate(names) if n == "distractor"]
+    assert "123" in "".join(needle).replace(" ", "") and "456" in "".join(other).replace(" ", "")
+    assert "instruction" in names and names.count("haystack") > len(names) // 2
+    fractions = kc.composition(mask, classes)
+    assert fractions["window"] == 1.0 and all(0.0 <= f <= 1.0 for f in fractions.values())

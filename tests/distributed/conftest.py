@@ -18,7 +18,8 @@ TINY_FACTORY = "tests.distributed.helpers:tiny_engine"
 TINY_JOB_ARGS = ["--model", "tiny-llama", "--engine-factory", TINY_FACTORY, "--window", "4", "--kernel", "3"]
 TINY_JOB_ARGS += ["--cpus-per-actor", "1", "--batch-size", "1"]  # one document per call: tests count per document
 # a method with kvzap or shares needs a KVzap file made for the model: none exists for the
-# random tiny models, so these runs name a method that needs none (the default)
+# random tiny models, so these runs name one that needs none (the default needs one: the jobs would
+# calibrate first, see tests/distributed/test_self_calibration.py)
 TINY_JOB_ARGS += ["--method", "criticalkv-layer-kvzip"]
 
 

@@ -92,14 +92,14 @@ def test_yaml_then_flags_layering(tmp_path):
 def test_job_defaults_and_fresh_output_dir():
     qa = config_from_args("longdoc_qa", [])
     assert qa.job == "longdoc_qa" and qa.input is None and qa.model.name == "smollm2"
-    assert qa.compression.method == DEFAULT_METHOD == "criticalkv-layer-kvzip"
+    assert qa.compression.method == DEFAULT_METHOD == "criticalkv-shares-kvzap"
     assert qa.compression.cache_size == DEFAULT_CACHE_SIZE and str(qa.output).startswith("outputs/longdoc_qa-")
     summary = config_from_args("summarize", ["--max-new-tokens", "50"])
     assert summary.instruction and summary.generation.max_new_tokens == 50
     assert str(summary.output).startswith("outputs/summarize-")
     # a flag over the job's default method keeps the rest of it: selection stays criticalkv
     partial = config_from_args("longdoc_qa", ["--allocation", "adakv", "--cache-size", "0.3"])
-    assert partial.compression.method == "criticalkv-adakv-kvzip" and partial.compression.cache_size == 0.3
+    assert partial.compression.method == "criticalkv-adakv-kvzap" and partial.compression.cache_size == 0.3
     assert config_from_args("longdoc_qa", ["--method", "none"]).compression.method == "none"
 
 

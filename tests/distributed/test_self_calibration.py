@@ -34,8 +34,10 @@ def test_which_jobs_need_a_calibration(tiny_dir, tmp_path):
     )
     assert "/" not in file_name(job)
     assert not needs_calibration(job.model_copy(update={"model": job.model.model_copy(update={"name": "smollm2"})}))
-    plain = LongDocQAJob(output=str(tmp_path / "o"), model={"name": str(tiny_dir)})
-    assert not needs_calibration(plain)  # the default method needs no KVzap file
+    default = LongDocQAJob(output=str(tmp_path / "o"), model={"name": str(tiny_dir)})
+    assert needs_calibration(default)  # the default method is the learned scorer: a new model calibrates first
+    plain = LongDocQAJob(output=str(tmp_path / "o"), model={"name": str(tiny_dir)}, compression={"method": "snapkv"})
+    assert not needs_calibration(plain)
     with pytest.raises(ValidationError, match="file not found"):  # a named file that is missing still fails now
         LongDocQAJob(
             output=str(tmp_path / "o"),

@@ -2,7 +2,8 @@
 tasks), mean answer NLL Δ, and a two-sided sign test on the NLL Δ; optionally only the documents a
 KVzap file was not calibrated on.
 
-    python docs/results/self-calibration/compare.py A/data B/data [--method-b NAME] [--exclude-calibrated FILE]
+    python docs/results/self-calibration/compare.py A/data B/data [--method-a NAME] [--method-b NAME]
+        [--exclude-calibrated FILE]
 
 ``A`` holds ``criticalkv-shares-kvzap`` rows (the file under test); ``B`` the same method's rows of the
 reference, or ``--method-b`` (e.g. ``criticalkv-layer-kvzip``). Both sweeps must hold the same documents.
@@ -56,10 +57,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("a")
     parser.add_argument("b")
+    parser.add_argument("--method-a", default=METHOD, help="A's method column (a variant: NAME[knob=value])")
     parser.add_argument("--method-b", default=METHOD)
     parser.add_argument("--exclude-calibrated", help="a KVzap file: leave out the documents it was calibrated on")
     args = parser.parse_args()
-    full_a, cells_a = load(args.a, METHOD)
+    full_a, cells_a = load(args.a, args.method_a)
     full_b, cells_b = load(args.b, args.method_b)
     skip = calibrated_on(args.exclude_calibrated) if args.exclude_calibrated else set()
     for size in sorted(cells_a):
