@@ -110,9 +110,9 @@ class JobConfig(CommandLineConfig):
     rows_per_file: int | None = Field(
         None,
         ge=1,
-        description="commit files of at least this many rows (default: one file per actor batch, so a "
-        "killed driver loses only the batches in flight; more rows per file = fewer, larger files, more work lost "
-        "on a crash; python -m pipeline.compact OUT merges them later)",
+        description="commit files of at least this many rows (default: one file per document as soon as it is "
+        "answered, so a killed driver loses only the documents not finished; more rows per file = fewer, larger "
+        "files, more work lost on a crash; python -m pipeline.compact OUT merges them later)",
     )
     retry_errors: bool = Field(False, description="on resume, also redo questions whose row has an error")
     metric: str = Field(

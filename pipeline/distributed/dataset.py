@@ -93,7 +93,7 @@ def build_dataset(
     gpu_args = {"num_gpus": config.gpus_per_actor} if config.gpus_per_actor > 0 else {}
     with warnings.catch_warnings():  # Ray 2.60 has no named parameter for max_task_retries yet
         warnings.simplefilter("ignore", DeprecationWarning)
-        return ds.map_batches(
+        ds = ds.map_batches(
             Predictor,
             fn_constructor_kwargs={
                 "model": {**config.model.model_dump(mode="json"), "revision": model_revision or config.model.revision},
@@ -118,3 +118,9 @@ def build_dataset(
             max_task_retries=ACTOR_TASK_RETRIES,  # a batch that kills its actor twice fails its pass (isolation)
             **gpu_args,
         )
+    if docs is not None:
+        # every document the actor yields (one packed row) leaves as its own block at once, instead of
+        # waiting in the operator's output buffer until 128 MiB or the call's end. Not on the Ray input
+        # path: this execution-wide setting would also cut its read and normalise blocks into rows.
+        ds.context.target_max_block_size = 1
+    return ds

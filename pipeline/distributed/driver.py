@@ -26,10 +26,10 @@ Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipelin
    ``error``); done documents are not scheduled again.
 4. **Ray**: ``map_batches(Predictor, compute=ActorPoolStrategy(min_actors, max_actors),
    num_gpus=gpus_per_actor, num_cpus=cpus_per_actor, batch_size=config.batch_size_for(documents),
-   batch_format="pyarrow")``; the driver iterates the result blocks (``iter_batches(batch_size=None)``)
-   and commits each actor batch's rows as one Parquet file as it arrives
-   (:class:`pipeline.distributed.sink.BatchCommitter`: an atomic commit per file), so files appear
-   one by one as batches finish and a driver killed at any moment leaves only whole files; with
+   batch_format="pyarrow")``; an actor yields each document's rows as it is answered (one packed row,
+   its own block), the driver iterates the blocks (``iter_batches(batch_size=None)``) and commits each
+   document as one Parquet file as it arrives (:class:`~pipeline.distributed.sink.BatchCommitter`, an
+   atomic commit per file), while its call still decodes; a driver killed at any moment leaves only whole files; with
    ``echo`` a line per committed file says how many documents are done. Committing on the driver
    puts the files where the next run looks and needs no write-task workers (see the committer).
    Ray starts locally when none is running (``ray.init(address="local")``), or connects to

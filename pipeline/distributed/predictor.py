@@ -7,9 +7,13 @@ for each batch of normalised documents (:data:`pipeline.data.DOCUMENT_SCHEMA`).
 
 Contract of ``__call__`` (relied on by the driver's exactly-once guarantee):
 
-* it returns exactly one :data:`pipeline.data.OUTPUT_SCHEMA` row per expected key of its input
-  batch (:func:`row_question_ids`: each question id, or with a sweep each question id under every
-  setting), with every one of a document's rows in the same returned table;
+* it yields, per document of its input batch and as soon as that document is answered, one packed
+  table (:func:`pipeline.distributed.rows.pack`) holding exactly one :data:`pipeline.data.OUTPUT_SCHEMA`
+  row per expected key of the document (:func:`row_question_ids`: each question id, or with a sweep
+  each question id under every setting). The engine hands each document on as its last row leaves
+  the continuous decode batch (:mod:`pipeline.engine.emitter`), so the driver commits it while the
+  rest of the call decodes: a crash loses the documents not finished, not the whole call.
+  :meth:`Predictor.answer` gives the whole batch's rows as one table;
 * it never raises for anything a row contains: rows with ``input_error`` become error rows
   directly, an exception while generating is retried document by document and then recorded in
   the ``error`` column of that document's rows, and a row the schema cannot hold is replaced by an
@@ -21,16 +25,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import inspect
 import logging
 import os
+import queue
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
 
 from pipeline import hooks
-from pipeline.distributed.rows import RowMaker, ScoreFunction
+from pipeline.data.schema import rows_to_table
+from pipeline.distributed.rows import RowMaker, ScoreFunction, pack, unpack
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.loading import default_cache_dir
 from pipeline.engine.types import Answer, Request, Setting, row_question_ids
@@ -98,6 +106,25 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
+def _request(doc: dict) -> Request:
+    return Request(
+        doc_id=str(doc["doc_id"]),
+        context=doc["context"],
+        questions=list(doc["questions"]),
+        question_ids=[str(q) for q in doc["question_ids"]],
+        answer_prefix=doc.get("answer_prefix") or "",
+        max_new_tokens=doc.get("max_new_tokens"),
+    )
+
+
+def _split(counts: list[int], answers: list[Answer]) -> Iterator[tuple[int, list[Answer]]]:
+    """A call's answers (request order, ``counts[k]`` row keys of request k, in order) per request;
+    whatever is missing is left to :meth:`Predictor._keyed` to report."""
+    it = iter(answers)
+    for k, count in enumerate(counts):
+        yield k, [a for _, a in zip(range(count), it)]
+
+
 def local_kvzap_files(files: dict[str, bytes]) -> dict[str, str]:
     """{driver path: path on this node} for KVzap files sent as bytes: the driver's path where it holds
     the same bytes here, else a copy in this node's cache (named by content, written atomically)."""
@@ -158,7 +185,8 @@ class Predictor:
             self.engine.enable_oom_retry(oom_retry_cache_size)
 
     # ------------------------------------------------------------------ Ray entry point
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        """One packed table per document of ``batch``, each as soon as it is answered (module docstring)."""
         self.batches += 1
         try:
             docs = batch.to_pylist() if isinstance(batch, pa.Table) else pa.Table.from_batches([batch]).to_pylist()
@@ -166,53 +194,77 @@ class Predictor:
             logger.error("unreadable batch: %s", traceback.format_exc())
             raise RuntimeError(f"Predictor could not read its input batch: {_short(exc)}") from exc
         hooks.fire("predictor.batch", batch=self.batches, doc_ids=[str(d.get("doc_id")) for d in docs])
-        rows: list[dict] = []
-        for doc, answers in zip(docs, self._answer(docs)):
-            rows.extend(self.rows.rows_for(doc, answers))
-        return self.rows.to_table(rows)
+        for i, answers in self._answers(docs):
+            yield pack(self.rows.to_table(self.rows.rows_for(docs[i], answers)))
+
+    def answer(self, batch: pa.Table) -> pa.Table:
+        """Every row of ``batch`` as one table, documents in input order (what :meth:`__call__` yields
+        one document at a time, in the order they finish)."""
+        tables = [unpack(t) for t in self(batch)]
+        ids = (batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])).column("doc_id").to_pylist()
+        place = {str(doc_id): i for i, doc_id in enumerate(ids)}
+        tables.sort(key=lambda t: place.get(t.column("doc_id")[0].as_py(), len(place)) if t.num_rows else len(place))
+        return pa.concat_tables(tables) if tables else rows_to_table([])
 
     # ------------------------------------------------------------------ generation
-    def _answer(self, docs: list[dict]) -> list[dict[str, Answer] | str]:
-        """Per document: {row question id: answer} or an error message for the whole document."""
-        results: list[dict[str, Answer] | str] = [{} for _ in docs]
+    def _answers(self, docs: list[dict]) -> Iterator[tuple[int, dict[str, Answer] | str]]:
+        """(document index, {row question id: answer} or an error message for the whole document),
+        each document as soon as it is known."""
         pending: list[tuple[int, Request]] = []
         for i, doc in enumerate(docs):
             if doc.get("input_error"):
-                results[i] = str(doc["input_error"])
+                yield i, str(doc["input_error"])
                 continue
             try:
-                pending.append(
-                    (
-                        i,
-                        Request(
-                            doc_id=str(doc["doc_id"]),
-                            context=doc["context"],
-                            questions=list(doc["questions"]),
-                            question_ids=[str(q) for q in doc["question_ids"]],
-                            answer_prefix=doc.get("answer_prefix") or "",
-                            max_new_tokens=doc.get("max_new_tokens"),
-                        ),
-                    )
-                )
+                pending.append((i, _request(doc)))
             except Exception as exc:  # noqa: BLE001 - a malformed document becomes its error rows
-                results[i] = _short(exc)
+                yield i, _short(exc)
         if not pending:
-            return results
+            return
+        answered: set[int] = set()
         try:
-            grouped = self._keyed(pending, self._generate([request for _, request in pending]))
+            for k, answers in self._stream([request for _, request in pending]):
+                answered.add(k)
+                yield pending[k][0], self._keyed([pending[k]], answers)[0][1]
         except Exception:  # noqa: BLE001 - isolate the document(s) that fail
             logger.warning(
                 "batch of %d documents failed, retrying one by one:\n%s", len(pending), traceback.format_exc()
             )
-            grouped = []
-            for i, request in pending:
+            for k, (i, request) in enumerate(pending):
+                if k in answered:
+                    continue
                 try:
-                    grouped += self._keyed([(i, request)], self._generate([request]))
+                    yield self._keyed([(i, request)], self._generate([request]))[0]
                 except Exception as exc:  # noqa: BLE001
-                    results[i] = _short(exc)
-        for i, answers in grouped:
-            results[i] = answers
-        return results
+                    yield i, _short(exc)
+
+    def _stream(self, requests: list[Request]) -> Iterator[tuple[int, list[Answer]]]:
+        """(request index, its answers) as the engine finishes each request: the engine runs in a
+        thread and hands documents on through a queue. A sweep, or an engine whose ``generate`` takes
+        no ``on_document`` (a custom ``--engine-factory``), answers them all at the end of the call."""
+        if self.sweep or "on_document" not in inspect.signature(self.engine.generate).parameters:
+            counts = [len(row_question_ids(r.question_ids, self.settings)) for r in requests]
+            yield from _split(counts, self._generate(requests))
+            return
+        handed: queue.Queue = queue.Queue()
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                hooks.fire("predictor.generate", doc_ids=[r.doc_id for r in requests])
+                self.engine.generate(requests, on_document=lambda k, answers: handed.put((k, answers)))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+                failure.append(exc)
+            finally:
+                handed.put(None)
+
+        worker = threading.Thread(target=work, name="predictor-generate", daemon=True)
+        worker.start()
+        while (item := handed.get()) is not None:
+            yield item
+        worker.join()
+        if failure:
+            raise failure[0]
 
     def _keyed(self, pending: list[tuple[int, Request]], answers: list[Answer]) -> list[tuple[int, dict]]:
         """Answers come in request order, one per row key of each request."""

@@ -100,3 +100,24 @@ class RowMaker:
                 }
                 safe.append({**identity, "error": f"internal: result does not fit the output schema: {exc}"[:2000]})
         return rows_to_table(safe)
+
+
+#: the one column of an actor's output block: each row one document's rows as an Arrow IPC stream
+PACKED = "document_rows"
+
+
+def pack(table: pa.Table) -> pa.Table:
+    """One document's rows as one row. Ray Data cuts an actor's output into blocks by rows; packed, a
+    document reaches the driver whole in one block, as soon as the actor yields it."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return pa.table({PACKED: pa.array([sink.getvalue().to_pybytes()], pa.large_binary())})
+
+
+def unpack(table: pa.Table) -> pa.Table:
+    """The rows of the documents packed in ``table`` (:func:`pack`), in order; other tables as they are."""
+    if PACKED not in table.column_names:
+        return table
+    parts = [pa.ipc.open_stream(pa.py_buffer(data)).read_all() for data in table.column(PACKED).to_pylist()]
+    return pa.concat_tables(parts) if parts else rows_to_table([])

@@ -2,8 +2,9 @@
 
 Layout of ``OUT/data/``:
 
-* ``part-<settings>-<digest>.parquet``: committed files, by default one per actor batch (so a killed
-  driver or node loses at most the batches in flight; ``rows_per_file`` bundles more rows per file,
+* ``part-<settings>-<digest>.parquet``: committed files, by default one per document, committed as
+  the document is answered (so a killed driver or node loses at most the documents not finished yet;
+  with inputs normalised in Ray tasks, one per actor call); ``rows_per_file`` bundles more rows per file,
   and ``python -m pipeline.compact OUT`` merges a finished run's files). On a local filesystem each
   is written completely under a hidden temporary name (``.tmp-...``) in the same directory, flushed
   to disk and then renamed, so a file with a committed name is always whole. On object storage
@@ -41,6 +42,7 @@ import pyarrow.parquet as pq
 from pipeline.data.locations import TMP_PREFIX, Location, fsync_directory, resolve
 from pipeline.data.normalise import question_hashes
 from pipeline.data.schema import OUTPUT_COLUMNS, OUTPUT_SCHEMA
+from pipeline.distributed.rows import unpack
 from pipeline.engine.types import row_question_ids
 
 PART_PREFIX = "part-"
@@ -74,7 +76,7 @@ def commit_table(table: pa.Table, data_dir: str | os.PathLike | Location, settin
 class BatchCommitter:
     """Commits the actors' output tables as they reach the driver (see the module docstring).
 
-    ``add(table)`` takes one actor batch's rows (whole documents); with ``rows_per_file`` tables
+    ``add(table)`` takes one actor output block (whole documents, packed or not); with ``rows_per_file`` tables
     are held until they reach that many rows, otherwise each is committed at once. ``flush()``
     commits what is held. ``on_commit(table, rows)`` is called after each commit with the file's
     rows and the rows committed so far (progress).
@@ -107,6 +109,7 @@ class BatchCommitter:
         self.rows = 0
 
     def add(self, table: pa.Table) -> None:
+        table = unpack(table)  # an actor's output block: its documents' rows, packed one document a row
         if table.num_rows:
             self.held.append(table)
             self.held_rows += table.num_rows

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -67,8 +68,11 @@ class ContinuousBatch:
         source=None,
         fidelity: bool = False,
         references: References | None = None,
+        on_done: Callable[[int, list[Answer]], None] | None = None,
     ) -> None:
         self.engine, self.compressor, self.budget = engine, compressor, budget_bytes
+        self.on_done = None if fidelity else on_done  # fidelity holds answers until measured together
+        self.meter: PeakMemory | None = None
         self.source = source or DocumentSource(engine, compressor)
         self.fidelity, self.references = fidelity, references
         self.decoder = engine.decoder
@@ -82,21 +86,22 @@ class ContinuousBatch:
 
     @torch.inference_mode()
     def run(self, rows: list[Row]) -> list[list[Answer] | Exception]:
-        """Per row: its answers (question order), or the exception that stopped it."""
-        meter = PeakMemory(self.engine.device)
+        """Per row: its answers (question order), or the exception that stopped it. ``on_done(i,
+        answers)`` (when given) hears each answered row's answers as it leaves the loop, its peak
+        memory the call's so far."""
+        self.meter = meter = PeakMemory(self.engine.device)
         with meter:
             self.decode(rows)
-        out: list[list[Answer] | Exception] = []
-        for i, row in enumerate(rows):
-            if i in self.failed:
-                out.append(self.failed[i])
-                continue
-            seq = self.done[i]
-            entries, kept_bytes, context_s, compress_s = seq.cost
-            cost = ContextCost([entries], [kept_bytes], context_s, compress_s, meter.peak_bytes)
-            per_round = [[result] for result in seq.results]
-            out.append(make_answers([row], [seq.ctx_len], per_round, cost, self.engine.shape))
-        return out
+        return [
+            self.failed[i] if i in self.failed else self._answers(self.done[i], meter.peak_bytes)
+            for i in range(len(rows))
+        ]
+
+    def _answers(self, seq: Sequence, peak_bytes: int | None) -> list[Answer]:
+        entries, kept_bytes, context_s, compress_s = seq.cost
+        cost = ContextCost([entries], [kept_bytes], context_s, compress_s, peak_bytes)
+        per_round = [[result] for result in seq.results]
+        return make_answers([seq.row], [seq.ctx_len], per_round, cost, self.engine.shape)
 
     @torch.inference_mode()
     def decode(self, rows: list[Row]) -> None:
@@ -156,6 +161,8 @@ class ContinuousBatch:
                 again.append(([seq], self._next_round(cache, j, seq)))
             else:
                 self.done[seq.index] = seq
+                if self.on_done is not None:
+                    self.on_done(seq.index, self._answers(seq, self.meter.so_far()))
         return again
 
     def _admit(self, rows, waiting: deque, ready: list, active: list, joining: list) -> None:

@@ -45,6 +45,7 @@ from .batching import Row, rows_for, warn_below_window
 from .config import GenerationConfig, ModelConfig
 from .continuous import ContinuousBatch
 from .decoding import Decoder
+from .emitter import DocumentCallback, DocumentEmitter
 from .kvzap_file import load_kvzap, resolve_kvzap
 from .loading import LoadedModel, load_model
 from .memory import default_kv_budget, device_label, now
@@ -137,13 +138,16 @@ class Engine:
         self.oom_retry = (cache_size, self.make_compressor(retry))
 
     # ------------------------------------------------------------------ public API
-    def generate(self, requests: list[Request]) -> list[Answer]:
+    def generate(self, requests: list[Request], on_document: DocumentCallback | None = None) -> list[Answer]:
         """Answer every question of every request; a failing request yields answers with ``error``
         set and never affects the others. Answers follow the input order. With ``continuous`` (the
-        default) the requests' rows go through one continuous decode batch (:mod:`pipeline.engine.continuous`)."""
+        default) the requests' rows go through one continuous decode batch (:mod:`pipeline.engine.continuous`).
+        ``on_document(i, answers)``: called once per request as soon as all its answers are known,
+        before this returns (:mod:`pipeline.engine.emitter`)."""
         if self.continuous:
-            return self._generate(requests, 1, self._run_continuous, whole=True)[0]
-        return self._generate(requests, 1, lambda rows: self._run_batch(rows, self.compressor))[0]
+            return self._generate(requests, 1, self._run_continuous, whole=True, on_document=on_document)[0]
+        run = lambda rows, on_row=None: self._run_batch(rows, self.compressor)  # noqa: E731
+        return self._generate(requests, 1, run, on_document=on_document)[0]
 
     @property
     def continuous(self) -> bool:
@@ -221,11 +225,17 @@ class Engine:
 
     # ------------------------------------------------------------------ error isolation
     def _generate(
-        self, requests: list[Request], variants: int, run: BatchRunner, whole: bool = False
+        self,
+        requests: list[Request],
+        variants: int,
+        run: BatchRunner,
+        whole: bool = False,
+        on_document: DocumentCallback | None = None,
     ) -> list[list[Answer]]:
         """Batch rows (all of them at once when ``whole``), run ``run(rows) -> answers (variant-major,
         then row, then question)``, isolate failures to single documents, and return per-variant
-        answer lists in input order."""
+        answer lists in input order; ``on_document`` (one variant only) hears each request's answers
+        as soon as they are known (``run(rows, on_row)`` hands on rows as they finish)."""
         answers: dict[tuple[int, int, int], Answer] = {}
         rows: list[tuple[int, Row]] = []
         for i, request in enumerate(requests):
@@ -236,16 +246,25 @@ class Engine:
                     for q, qid in enumerate(request.question_ids or ["0"]):
                         answers[(v, i, q)] = _error_answer(request, qid, exc)
         size = max(len(rows), 1) if whole or not self.generation.batch_size else self.generation.batch_size
+        emitter = DocumentEmitter(on_document, rows, len(requests)) if on_document is not None else None
         for begin in range(0, len(rows), size):
             batch = rows[begin : begin + size]
             try:
-                results = run([row for _, row in batch])
-            except Exception:  # isolate the failing document(s)
+                if emitter is None:
+                    results = run([row for _, row in batch])
+                else:
+                    results = run([row for _, row in batch], emitter.row_callback(batch))
+            except Exception:  # isolate the failing document(s); rows already handed on keep their answers
                 self._release_memory()
                 for item in batch:
-                    _store(answers, [item], self._run_alone(item[1], run, variants), variants)
+                    known = emitter.answers_of(item) if emitter is not None else None
+                    _store(answers, [item], known or self._run_alone(item[1], run, variants), variants)
             else:
                 _store(answers, batch, results, variants)
+            if emitter is not None:
+                emitter.batch_done(batch, answers)
+        if emitter is not None:
+            emitter.finish(answers)
         return [[answers[key] for key in sorted(answers) if key[0] == v] for v in range(variants)]
 
     def _run_alone(self, row: Row, run: BatchRunner, variants: int) -> list[Answer]:
@@ -290,15 +309,20 @@ class Engine:
         fidelity (:mod:`pipeline.engine.sweep`); the answers' ``setting`` is ``setting``."""
         return SweepBatch(self, rows, [compressor], settings=[setting], fidelity=False).run()
 
-    def _run_continuous(self, rows: list[Row]) -> list[Answer]:
-        """Every row through one continuous decode batch; a row it could not answer runs alone."""
-        batch = ContinuousBatch(self, self.compressor, self.kv_budget_bytes)
+    def _run_continuous(
+        self, rows: list[Row], on_row: Callable[[int, list[Answer]], None] | None = None
+    ) -> list[Answer]:
+        """Every row through one continuous decode batch; a row it could not answer runs alone.
+        ``on_row(k, answers)`` hears each row's answers as soon as they are known."""
+        batch = ContinuousBatch(self, self.compressor, self.kv_budget_bytes, on_done=on_row)
         results = batch.run(rows)
         self.last_continuous = batch  # its occupancy and memory figures, for callers that report them
         answers = []
-        for row, result in zip(rows, results):
+        for k, (row, result) in enumerate(zip(rows, results)):
             if isinstance(result, Exception):
                 result = self._run_alone(row, lambda rows: self._run_batch(rows, self.compressor), 1)
+                if on_row is not None:
+                    on_row(k, result)
             answers += result
         return answers
 

@@ -37,11 +37,14 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.peak_bytes = self.so_far()
+
+    def so_far(self) -> int:
+        """The peak since the block began, read now (the block may still be running)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
-        else:
-            self.peak_bytes = proc_status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return proc_status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def proc_status_bytes(key: str) -> int | None:

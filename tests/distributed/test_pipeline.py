@@ -58,12 +58,17 @@ def test_an_automatic_batch_decodes_an_actors_documents_together(local_ray, tmp_
     """Without --batch-size one actor's call holds the documents (here all 5): they share decode steps."""
     docs = small_docs(5)
     path = write_documents(docs, tmp_path / "in.parquet")
-    config = tiny_config(tmp_path / "out", input=str(path), generation={"batch_size": None, "max_new_tokens": 6})
+    generation = {"batch_size": None, "max_new_tokens": 6}
+    config = tiny_config(tmp_path / "out", input=str(path), generation=generation, rows_per_file=None)
     assert config.batch_size_for(len(docs)) == 5
     result = run_job(config, echo=False)
     rows = pq.read_table(result.data_dir).to_pylist()
     assert len(rows) == sum(len(d["question_ids"]) for d in docs) and all(r["error"] is None for r in rows)
     assert max(r["decode_batch"] or 0 for r in rows) > 1
+    # one call, yet a file per document: each reached the driver as it finished, not at the call's end
+    files = committed_files(result.data_dir)
+    per_file = [set(pq.read_table(f.path).column("doc_id").to_pylist()) for f in files]
+    assert len(files) == 5 and all(len(ids) == 1 for ids in per_file)
 
 
 def test_every_question_exactly_once_with_schema_types(first_run):

@@ -218,3 +218,31 @@ def test_sweep_rows_leave_and_fidelity_is_unchanged(step_sizes, tmp_path):
     for got, expected in zip(together, alone):
         assert [g[:-1] for g in got] == [e[:-1] for e in expected]
         assert [g[-1] for g in got] == pytest.approx([e[-1] for e in expected], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_each_document_is_handed_on_once_as_soon_as_it_is_answered(continuous, faults, step_sizes, tmp_path):
+    """generate(on_document=...): every request exactly once, with the answers generate returns for it;
+    in the continuous batch in the order documents finish (the short ones first, while the long ones
+    still decode), a failing document too (its error rows, after its retry alone)."""
+    faults(oom=["c"])
+    requests = _requests()
+    engine = _engine("snapkv", tmp=tmp_path, batch_size=5, continuous=continuous)
+    engine.generation.kv_memory = _budget_for(engine, requests, 5)
+    heard = []
+    answers = engine.generate(requests, on_document=lambda i, got: heard.append((i, got, len(step_sizes))))
+    assert sorted(i for i, _, _ in heard) == list(range(len(requests)))
+    by_doc = {r.doc_id: [a for a in answers if a.doc_id == r.doc_id] for r in requests}
+    for i, got, _ in heard:
+        assert _fields(got) == _fields(by_doc[requests[i].doc_id])
+    order = [requests[i].doc_id for i, _, _ in heard]
+    if continuous:
+        assert order.index("e") < order.index("b") < order.index("d")  # limits 1 < 3 < 12 tokens
+        steps = {requests[i].doc_id: at for i, _, at in heard}
+        assert steps["e"] < steps["d"]  # handed on while "d" still had steps to decode
+        assert order[-1] == "c"  # failed in the batch: answered (as errors) by its retry alone, at the end
+    else:
+        assert order == ["a", "b", "c", "d", "e"]  # prefilled together: all at the call's end, in input order
+    assert all(a.error for a in by_doc["c"]) and all(
+        a.error is None for d, got in by_doc.items() if d != "c" for a in got
+    )
