@@ -280,3 +280,14 @@ def test_each_document_leaves_the_call_packed_as_soon_as_it_is_answered():
     streamed = pa.concat_tables([unpack(first), *rest]).to_pylist()
     key = lambda r: (r["doc_id"], r["question_id"], r["prediction"], r["error"])  # noqa: E731
     assert sorted(map(key, streamed)) == sorted(map(key, whole.to_pylist()))
+
+
+def test_actors_wait_passively_for_openmp_unless_the_driver_says_otherwise(monkeypatch):
+    """The engine answers in a thread of the actor (streaming); OpenMP's active waiting slowed that
+    thread's CPU work, so the actors get OMP_WAIT_POLICY=PASSIVE, or the driver's own value."""
+    from pipeline.distributed.dataset import actor_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert actor_env() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert actor_env() == {"OMP_WAIT_POLICY": "ACTIVE"}
