@@ -92,9 +92,9 @@ def composition(mask: torch.Tensor, classes: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def measure(variants: list[str], docs: list[dict], window: int) -> dict:
-    """Per variant: the per-class kept fractions summed over documents, their count, and the masks."""
-    loaded = load_smollm2()
+def measure(loaded, variants: list[str], docs: list[dict], window: int) -> dict:
+    """Per variant: the per-class kept fractions of each document, the masks, and the seconds spent
+    (``loaded``: the model, a :func:`~pipeline.engine.loading.load_model` result)."""
     tokenizer = loaded.tokenizer
     sums: dict[str, dict[str, list[float]]] = {v: defaultdict(list) for v in variants}
     masks: dict[str, list[torch.Tensor]] = {v: [] for v in variants}
@@ -173,11 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     variants = args.variants.split(",")
-    counter = token_counter(load_smollm2().tokenizer)
+    loaded = load_smollm2()
+    counter = token_counter(loaded.tokenizer)
     docs = []
     for seed in (int(s) for s in args.seeds.split(",")):
         docs += ruler_documents(args.tasks.split(","), args.length, args.samples, counter, seed=seed)
-    result = measure(variants, docs, args.window)
+    result = measure(loaded, variants, docs, args.window)
     lines = [
         "# What each method keeps, by prompt class",
         "",

@@ -13,7 +13,7 @@ Contract of ``__call__`` (relied on by the driver's exactly-once guarantee):
   each question id under every setting). The engine hands each document on as its last row leaves
   the continuous decode batch (:mod:`pipeline.engine.emitter`), so the driver commits it while the
   rest of the call decodes: a crash loses the documents not finished, not the whole call.
-  :meth:`Predictor.answer` gives the whole batch's rows as one table;
+  the driver unpacks them (:func:`pipeline.distributed.rows.unpack`);
 * it never raises for anything a row contains: rows with ``input_error`` become error rows
   directly, an exception while generating is retried document by document and then recorded in
   the ``error`` column of that document's rows, and a row the schema cannot hold is replaced by an
@@ -37,8 +37,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipeline import hooks
-from pipeline.data.schema import rows_to_table
-from pipeline.distributed.rows import RowMaker, ScoreFunction, pack, unpack
+from pipeline.distributed.rows import RowMaker, ScoreFunction, pack
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.loading import default_cache_dir
 from pipeline.engine.types import Answer, Request, Setting, row_question_ids
@@ -117,14 +116,6 @@ def _request(doc: dict) -> Request:
     )
 
 
-def _split(counts: list[int], answers: list[Answer]) -> Iterator[tuple[int, list[Answer]]]:
-    """A call's answers (request order, ``counts[k]`` row keys of request k, in order) per request;
-    whatever is missing is left to :meth:`Predictor._keyed` to report."""
-    it = iter(answers)
-    for k, count in enumerate(counts):
-        yield k, [a for _, a in zip(range(count), it)]
-
-
 def local_kvzap_files(files: dict[str, bytes]) -> dict[str, str]:
     """{driver path: path on this node} for KVzap files sent as bytes: the driver's path where it holds
     the same bytes here, else a copy in this node's cache (named by content, written atomically)."""
@@ -197,15 +188,6 @@ class Predictor:
         for i, answers in self._answers(docs):
             yield pack(self.rows.to_table(self.rows.rows_for(docs[i], answers)))
 
-    def answer(self, batch: pa.Table) -> pa.Table:
-        """Every row of ``batch`` as one table, documents in input order (what :meth:`__call__` yields
-        one document at a time, in the order they finish)."""
-        tables = [unpack(t) for t in self(batch)]
-        ids = (batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])).column("doc_id").to_pylist()
-        place = {str(doc_id): i for i, doc_id in enumerate(ids)}
-        tables.sort(key=lambda t: place.get(t.column("doc_id")[0].as_py(), len(place)) if t.num_rows else len(place))
-        return pa.concat_tables(tables) if tables else rows_to_table([])
-
     # ------------------------------------------------------------------ generation
     def _answers(self, docs: list[dict]) -> Iterator[tuple[int, dict[str, Answer] | str]]:
         """(document index, {row question id: answer} or an error message for the whole document),
@@ -223,36 +205,36 @@ class Predictor:
             return
         answered: set[int] = set()
         try:
-            for k, answers in self._stream([request for _, request in pending]):
-                answered.add(k)
-                yield pending[k][0], self._keyed([pending[k]], answers)[0][1]
+            for i, keyed in self._stream(pending):
+                answered.add(i)
+                yield i, keyed
         except Exception:  # noqa: BLE001 - isolate the document(s) that fail
             logger.warning(
                 "batch of %d documents failed, retrying one by one:\n%s", len(pending), traceback.format_exc()
             )
-            for k, (i, request) in enumerate(pending):
-                if k in answered:
+            for i, request in pending:
+                if i in answered:
                     continue
                 try:
                     yield self._keyed([(i, request)], self._generate([request]))[0]
                 except Exception as exc:  # noqa: BLE001
                     yield i, _short(exc)
 
-    def _stream(self, requests: list[Request]) -> Iterator[tuple[int, list[Answer]]]:
-        """(request index, its answers) as the engine finishes each request: the engine runs in a
-        thread and hands documents on through a queue. A sweep, or an engine whose ``generate`` takes
-        no ``on_document`` (a custom ``--engine-factory``), answers them all at the end of the call."""
+    def _stream(self, pending: list[tuple[int, Request]]) -> Iterator[tuple[int, dict[str, Answer]]]:
+        """(document index, {row question id: answer}) as the engine finishes each document: the engine
+        runs in a thread and hands documents on through a queue. A sweep, or an engine whose
+        ``generate`` takes no ``on_document`` (a custom ``--engine-factory``), answers them all at the
+        end of the call."""
+        requests = [request for _, request in pending]
         if self.sweep or "on_document" not in inspect.signature(self.engine.generate).parameters:
-            counts = [len(row_question_ids(r.question_ids, self.settings)) for r in requests]
-            yield from _split(counts, self._generate(requests))
+            yield from self._keyed(pending, self._generate(requests))
             return
         handed: queue.Queue = queue.Queue()
         failure: list[BaseException] = []
 
         def work() -> None:
             try:
-                hooks.fire("predictor.generate", doc_ids=[r.doc_id for r in requests])
-                self.engine.generate(requests, on_document=lambda k, answers: handed.put((k, answers)))
+                self._generate(requests, on_document=lambda k, answers: handed.put((k, answers)))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
                 failure.append(exc)
             finally:
@@ -261,7 +243,8 @@ class Predictor:
         worker = threading.Thread(target=work, name="predictor-generate", daemon=True)
         worker.start()
         while (item := handed.get()) is not None:
-            yield item
+            k, answers = item
+            yield self._keyed([pending[k]], answers)[0]
         worker.join()
         if failure:
             raise failure[0]
@@ -280,8 +263,11 @@ class Predictor:
             grouped.append((i, keyed))
         return grouped
 
-    def _generate(self, requests: list[Request]) -> list[Answer]:
+    def _generate(self, requests: list[Request], on_document=None) -> list[Answer]:
+        """The engine's answers to ``requests``; ``on_document`` (no sweep): see ``Engine.generate``."""
         hooks.fire("predictor.generate", doc_ids=[r.doc_id for r in requests])
+        if on_document is not None:
+            return self.engine.generate(requests, on_document=on_document)
         if not self.sweep:
             return self.engine.generate(requests)
         per_setting = self.engine.generate_sweep(requests, self.sweep)

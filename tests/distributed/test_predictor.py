@@ -51,9 +51,18 @@ def _batch(docs) -> pa.Table:
     return pa.Table.from_pylist(docs, schema=DOCUMENT_SCHEMA)
 
 
+def _answer(predictor, batch: pa.Table) -> pa.Table:
+    """Every row the actor yields for ``batch`` (one packed document at a time, in the order they
+    finish), unpacked as the driver does, documents in input order."""
+    tables = [unpack(t) for t in predictor(batch)]
+    place = {doc_id: i for i, doc_id in enumerate(batch.column("doc_id").to_pylist())}
+    tables.sort(key=lambda t: place[t.column("doc_id")[0].as_py()])
+    return pa.concat_tables(tables)
+
+
 def test_one_row_per_question_with_identity_columns(predictor):
     docs = small_docs(3)
-    out = predictor.answer(_batch(docs))
+    out = _answer(predictor, _batch(docs))
     assert out.schema.equals(OUTPUT_SCHEMA, check_metadata=True)
     keys = list(zip(out.column("doc_id").to_pylist(), out.column("question_id").to_pylist()))
     assert keys == [(d["doc_id"], q) for d in docs for q in d["question_ids"]]
@@ -82,7 +91,7 @@ def test_input_errors_become_error_rows_without_generation(predictor):
             "input_error": "line 3: broken",
         }
     ]
-    out = predictor.answer(_batch(docs)).to_pylist()
+    out = _answer(predictor, _batch(docs)).to_pylist()
     assert [(r["doc_id"], r["question_id"]) for r in out] == [
         ("ok", "0"),
         ("bad", "0"),
@@ -98,7 +107,7 @@ def test_an_exception_in_one_document_is_isolated(faults):
     faults(error_doc_ids=["qa-s1-0001-multikey"])
     predictor = _predictor(batch_size=4)
     docs = small_docs(3)
-    out = predictor.answer(_batch(docs)).to_pylist()
+    out = _answer(predictor, _batch(docs)).to_pylist()
     errors = {r["doc_id"]: r["error"] for r in out}
     assert "InjectedFault" in errors.pop("qa-s1-0001-multikey")
     assert all(e is None for e in errors.values()) and len(out) == 4
@@ -115,7 +124,7 @@ def test_engine_that_returns_nothing_or_raises_still_yields_one_row_per_question
     original = predictor.engine
     predictor.engine = Broken()
     try:
-        out = predictor.answer(_batch(docs)).to_pylist()
+        out = _answer(predictor, _batch(docs)).to_pylist()
     finally:
         predictor.engine = original
     assert [(r["doc_id"], r["question_id"]) for r in out] == [(d["doc_id"], q) for d in docs for q in d["question_ids"]]
@@ -126,9 +135,9 @@ def test_raise_after_batches_hook(faults):
     faults(raise_after_batches=1)
     predictor = _predictor()
     batch = _batch(small_docs(1))
-    assert predictor.answer(batch).num_rows == 1
+    assert _answer(predictor, batch).num_rows == 1
     with pytest.raises(InjectedFault):
-        predictor.answer(batch)
+        _answer(predictor, batch)
 
 
 def test_factory_resolution_errors_are_clear():
@@ -152,7 +161,7 @@ def test_sweep_rows_per_setting_with_task_and_score():
         sweep=[s.model_dump(mode="json") for s in settings],
         score=score_answer,
     )
-    out = predictor.answer(_batch(base)).to_pylist()
+    out = _answer(predictor, _batch(base)).to_pylist()
     assert len(out) == sum(len(d["questions"]) for d in base) * len(settings)
     assert {(r["method"], r["cache_size"]) for r in out} == {("none", 1.0), ("snapkv", 0.3), ("criticalkv-snapkv", 0.3)}
     for row in out:
@@ -179,7 +188,7 @@ def test_sweep_variants_answer_as_their_own_runs_under_their_labels():
             engine_factory=TINY_FACTORY,
             sweep=[s.model_dump(mode="json") for s in sweep] if sweep else None,
         )
-        return predictor.answer(_batch(docs)).to_pylist()
+        return _answer(predictor, _batch(docs)).to_pylist()
 
     swept = rows(settings[0], settings)
     assert {r["method"] for r in swept} == {"none", "snapkv", "snapkv[kernel=1,pooling=avg,window=8]"}
@@ -209,7 +218,7 @@ def test_oom_rows_are_recorded_or_retried_smaller(faults):
             engine_factory=TINY_FACTORY,
             oom_retry_cache_size=retry,
         )
-        return p.answer(_batch(docs)).to_pylist()
+        return _answer(p, _batch(docs)).to_pylist()
 
     plain = run(None)
     assert all("OutOfMemoryError" in r["error"] for r in plain if r["doc_id"] == "d0")
@@ -234,7 +243,7 @@ def test_sweep_scores_summaries_against_the_full_cache_answer():
         sweep=[s.model_dump(mode="json") for s in settings],
         score=score_answer,
     )
-    rows = {(r["method"], r["question_id"].split("|")[0]): r for r in predictor.answer(_batch(docs)).to_pylist()}
+    rows = {(r["method"], r["question_id"].split("|")[0]): r for r in _answer(predictor, _batch(docs)).to_pylist()}
     for (method, _), row in rows.items():
         assert row["error"] is None and row["score"] is not None and 0.0 <= row["score"] <= 1.0
         assert row["answer_nll"] is not None and row["answer_nll_delta"] is not None
@@ -262,7 +271,7 @@ def test_source_fingerprint_follows_the_code(tmp_path):
 def test_each_document_leaves_the_call_packed_as_soon_as_it_is_answered():
     """The Ray entry point yields one packed table per document in the order documents finish (the
     1-token answer before the 20-token one that came first), each unpacking to that document's rows;
-    answer() gives the same rows in input order."""
+    _answer() gives the same rows in input order."""
     predictor = _predictor(batch_size=2, max_new_tokens=20)
     docs = small_docs(2)
     docs[0]["max_new_tokens"], docs[1]["max_new_tokens"] = 20, 1
@@ -272,7 +281,7 @@ def test_each_document_leaves_the_call_packed_as_soon_as_it_is_answered():
     assert set(unpack(first).column("doc_id").to_pylist()) == {docs[1]["doc_id"]}
     rest = [unpack(t) for t in stream]
     assert [set(t.column("doc_id").to_pylist()) for t in rest] == [{docs[0]["doc_id"]}]
-    whole = predictor.answer(_batch(docs))
+    whole = _answer(predictor, _batch(docs))
     assert whole.schema.equals(OUTPUT_SCHEMA, check_metadata=True)
     assert list(zip(whole.column("doc_id").to_pylist(), whole.column("question_id").to_pylist())) == [
         (d["doc_id"], q) for d in docs for q in d["question_ids"]
