@@ -24,6 +24,7 @@ import torch
 
 from pipeline.engine.reconstruction import ContextReconstruction
 from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.prefill.rules import plan_prefill
 from pipeline.kv.store import VarLenLayer
 from pipeline.kv.varlen_kernels import KernelChoice
 
@@ -52,24 +53,25 @@ def finish_passes(model, cache: VarLenCache, ids: torch.Tensor) -> float:
     cfg = cache.compressor.config
     t0 = time.perf_counter()
     passes = ContextReconstruction(model, RandomPrompts(model.config.vocab_size), 0, ids.device)
-    scores = passes.scores([ids[0].tolist()], [0], cache.pending, cfg.reconstruction_chunk, cfg.kvzip_plus)
+    held = cache.prefill.awaiting_passes
+    scores = passes.scores([ids[0].tolist()], [0], held, cfg.reconstruction_chunk, cfg.kvzip_plus)
     sync(ids.device)
     seconds = time.perf_counter() - t0
     cache.compress_seconds += seconds
-    cache.finish_compression(scores)
+    cache.prefill.finish(scores)
     return seconds
 
 
 def chunked_prefill(model, cache: VarLenCache, ids: torch.Tensor, chunk: int) -> None:
     """The context ``ids`` (1, n) through the model ``chunk`` tokens at a time, the cache compressed
-    after each chunk, as the engine's chunked prefill drives it (:mod:`pipeline.kv.chunked`)."""
+    after each chunk, as the engine's chunked prefill drives it (:mod:`pipeline.kv.prefill.chunk_eviction`)."""
     n, device = ids.shape[1], ids.device
-    cache.begin_chunked_prefill(torch.tensor([n], device=device))
+    strategy = cache.begin_prefill(plan_prefill(cache.compressor.config), lengths=torch.tensor([n], device=device))
     for begin in range(0, n, chunk):
         end = min(begin + chunk, n)
         run_chunk(model, cache, ids[:, begin:end], torch.arange(begin, end, device=device)[None], logits_to_keep=1)
-        cache.compress_chunk(torch.tensor([end], device=device))
-    cache.end_chunked_prefill()
+        strategy.after_forward(torch.tensor([end], device=device))
+    strategy.finish()
 
 
 def sync(device: torch.device) -> None:

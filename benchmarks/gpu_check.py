@@ -119,7 +119,7 @@ def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, Va
         chunked_prefill(model, cache, ids, compressor.config.prefill_chunk)
     else:
         run_chunk(model, cache, ids, pos, logits_to_keep=1)
-    if cache.awaiting_reconstruction:  # KVzip: the passes, then every layer compressed
+    if cache.prefill is not None and cache.prefill.awaiting_passes is not None:  # KVzip: the passes, then compression
         finish_passes(model, cache, ids)
     sync(device)
     return time.perf_counter() - t0, cache

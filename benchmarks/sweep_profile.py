@@ -34,9 +34,9 @@ from pipeline.eval.sweep import ruler_documents, token_counter
 from pipeline.kv.config import CompressionConfig
 
 PHASES = {  # phase: (file suffix, function name)
-    "prefill": ("pipeline/engine/decoding.py", "prefill"),
+    "prefill": ("pipeline/engine/prefill.py", "run"),
     "KVzip passes": ("pipeline/engine/sweep.py", "_reconstructions"),
-    "compression": ("pipeline/kv/capture.py", "compressed"),
+    "compression": ("pipeline/kv/prefill/capture.py", "compressed"),
     "question prefill": ("pipeline/engine/continuous.py", "_open_together"),
     "decode steps": ("pipeline/engine/continuous.py", "_step"),
     "answer fidelity": ("pipeline/engine/continuous.py", "_measure_fidelity"),

@@ -239,3 +239,14 @@ def test_the_kv_and_engine_rooms_read_the_environment_only_where_pinned():
         for path in sorted((ROOT / room).rglob("*.py")):
             reads |= _environment_reads(path)
     assert reads == ALLOWED_ENVIRONMENT_READS
+
+
+def test_the_kv_core_has_no_import_circle_even_through_annotations():
+    """Inside ``pipeline/kv`` no module imports another that imports it back, counting imports inside
+    functions and under ``TYPE_CHECKING`` too (a circle a reader follows is a circle)."""
+    from benchmarks.code_shape import circles, kv_import_graph
+
+    graph = kv_import_graph()
+    assert "pipeline.kv.prefill.rules" in graph and graph["pipeline.kv.config"]  # the walk sees the package
+    assert circles(graph) == []
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]  # the detector detects

@@ -45,8 +45,8 @@ def capture_prefill(model, ids: torch.Tensor, methods: list[str] = (), budget: i
     scorer observes), from which every method's cache is derived. Compressor 0 is a matched SnapKV
     one whose observed window queries give the base scores; method i is compressor i + 1."""
     from pipeline.kv.cache import run_chunk
-    from pipeline.kv.capture import CaptureCache
     from pipeline.kv.compress import Compressor
+    from pipeline.kv.prefill.capture import CaptureCache
 
     compressors = [Compressor(matched_config(m, budget=budget)) for m in ("snapkv", *methods)]
     capture = CaptureCache(model.config.num_hidden_layers, compressors)

@@ -117,7 +117,7 @@ class ContinuousBatch:
 
     def _loop(self, rows: list[Row]) -> None:
         waiting: deque[int] = deque(range(len(rows)))
-        cache = self.engine.new_cache(self.compressor)
+        cache = self.engine.new_cache(self.compressor, compressed=True)
         active: list[Sequence] = []
         joining: list[tuple[list[Sequence], VarLenCache]] = []  # rows and the cache that holds them
         ready: list[tuple[Sequence, VarLenCache]] = []  # opened, waiting for room (one at most)
@@ -141,7 +141,7 @@ class ContinuousBatch:
                 if keep:
                     regroup(cache, keep, [])
                 else:
-                    cache = self.engine.new_cache(self.compressor)
+                    cache = self.engine.new_cache(self.compressor, compressed=True)
             if active:
                 self._step(cache, active)
         self._measure_fidelity()
@@ -219,7 +219,7 @@ class ContinuousBatch:
         started = [self._start(index, rows[index]) for index in waiting]
         waiting.clear()
         seqs = [seq for seq, _ in started]
-        together = self.engine.new_cache(self.compressor)
+        together = self.engine.new_cache(self.compressor, compressed=True)
         regroup(together, [], [one for _, one in started])
         questions = [s.row.prompt.question_ids[0] if s.row.prompt.question_ids else [] for s in seqs]
         width = max(len(q) for q in questions)

@@ -1,6 +1,6 @@
-"""Prefill over one cache and the answer text: the context chunk of a batch (in one pass or chunk by
-chunk), one chunk's forward, and how a row's generated tokens become its answer. The greedy decode
-itself is the decode loop's (:mod:`pipeline.engine.continuous`)."""
+"""One chunk's forward over a cache and the answer text: how a row's generated tokens become its
+answer. The context prefill is :mod:`pipeline.engine.prefill`'s, the greedy decode the decode loop's
+(:mod:`pipeline.engine.continuous`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import hooks
-from ..kv.cache import ChunkCache, VarLenCache, run_chunk
-from .batching import Row, left_pad
-from .layerwise import can_prefill_layerwise, layerwise_prefill, usable_slice
+from ..kv.cache import ChunkCache, run_chunk
 
 
 @dataclass
@@ -89,10 +86,8 @@ class Decoder:
         tokenizer,
         device: torch.device,
         end_at_sentence: bool = False,
-        layer_slice: int = 0,
     ) -> None:
         self.end_at_sentence = end_at_sentence
-        self.layer_slice = usable_slice(model, layer_slice)  # tokens per slice of a layerwise prefill (0: off)
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
@@ -102,35 +97,6 @@ class Decoder:
     def forward(self, cache: ChunkCache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One chunk; returns the last position's logits (B, V) in float32."""
         return run_chunk(self.model, cache, ids, pos, logits_to_keep=1).logits[:, -1].float()
-
-    def prefill(self, rows: list[Row], cache: ChunkCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded context prefill into ``cache`` -> (context lengths (B,), last logits (B, V)); layer by
-        layer in slices (:mod:`pipeline.engine.layerwise`) where ``layer_slice`` asks for it and the cache allows."""
-        hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache.kept_fraction)
-        ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
-        zeros = torch.zeros(len(rows), dtype=torch.long)
-        ids, pos = left_pad([r.prompt.context_ids for r in rows], zeros, self.pad_id, self.device)
-        if can_prefill_layerwise(cache, ids.shape[1], self.layer_slice):
-            return ctx_len, layerwise_prefill(self.model, cache, ids, pos, self.layer_slice)
-        return ctx_len, self.forward(cache, ids, pos)
-
-    def prefill_chunked(self, rows: list[Row], cache: VarLenCache, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context prefill ``chunk`` tokens at a time (positions [k*chunk, (k+1)*chunk) of every row),
-        compressing the cache after each chunk (:mod:`pipeline.kv.chunked`). Same returns as :meth:`prefill`."""
-        hooks.fire("engine.prefill", doc_ids=[r.request.doc_id for r in rows], cache_size=cache.kept_fraction)
-        contexts = [r.prompt.context_ids for r in rows]
-        ctx_len = torch.tensor([len(c) for c in contexts])
-        logits = None
-        cache.begin_chunked_prefill(ctx_len.to(self.device))
-        for begin in range(0, int(ctx_len.max()), chunk):
-            pieces = [c[begin : begin + chunk] for c in contexts]
-            ids, pos = left_pad(pieces, torch.full((len(rows),), begin), self.pad_id, self.device)
-            out = self.forward(cache, ids, pos)
-            cache.compress_chunk(ctx_len.clamp(max=begin + chunk).to(self.device))
-            ends = ((ctx_len > begin) & (ctx_len <= begin + chunk)).to(out.device)
-            logits = out if logits is None else torch.where(ends[:, None], out, logits)
-        cache.end_chunked_prefill()
-        return ctx_len, logits
 
     def _text(self, tokens: list[int], stop_id: int | None) -> tuple[str, str]:
         return answer_text(self.tokenizer, tokens, cut=stop_id is None, end_at_sentence=self.end_at_sentence)

@@ -34,21 +34,21 @@ from collections.abc import Callable
 import torch
 
 from ..kv.attention import register as register_attention
-from ..kv.cache import VarLenCache
+from ..kv.cache import ChunkCache, VarLenCache
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
-from ..kv.phases import Phase
 from ..kv.rope import model_rotary
 from ..kv.varlen_kernels import KernelChoice
 from .answers import ModelShape
-from .batching import Row, rows_for, warn_below_window
+from .batching import Row, rows_for
 from .config import GenerationConfig, ModelConfig
 from .continuous import ContinuousBatch
 from .decoding import Decoder
 from .emitter import DocumentCallback, DocumentEmitter
 from .kvzap_file import load_kvzap, resolve_kvzap
 from .loading import LoadedModel, load_model
-from .memory import default_kv_budget, device_label, now
+from .memory import default_kv_budget, device_label
+from .prefill import ContextPrefill
 from .priors import load_head_priors, resolve_head_priors
 from .prompts import PromptBuilder
 from .reconstruction import ContextReconstruction
@@ -97,10 +97,9 @@ class Engine:
             self.enable_oom_retry(oom_retry_cache_size)
         self.prompts = PromptBuilder(self.tokenizer, use_chat_template)
         self.model.set_attn_implementation(register_attention())
-        self.decoder = Decoder(
-            self.model, self.tokenizer, self.device, self.generation.end_at_sentence, loaded.layerwise_prefill
-        )
+        self.decoder = Decoder(self.model, self.tokenizer, self.device, self.generation.end_at_sentence)
         self.reconstruction = ContextReconstruction(self.model, self.prompts, self.decoder.pad_id, self.device)
+        self.context_prefill = ContextPrefill(self.decoder, self.reconstruction, loaded.layerwise_prefill)
 
     @classmethod
     def from_config(
@@ -195,33 +194,16 @@ class Engine:
         self.prefill([self._rows_for(request)[0] for request in requests], cache)
         return cache
 
-    def new_cache(self, compressor: Compressor) -> VarLenCache:
-        """An empty cache for this model, compressing with ``compressor``, on the engine's kernels."""
-        return VarLenCache(self.shape.num_layers, compressor, self.kernels)
+    def new_cache(self, compressor: Compressor, compressed: bool = False) -> VarLenCache:
+        """An empty cache for this model, compressing with ``compressor``, on the engine's kernels;
+        ``compressed``: one that rows of compressed caches join (a decode batch), never prefilled."""
+        return VarLenCache(self.shape.num_layers, compressor, self.kernels, compressed)
 
-    def prefill(self, rows: list[Row], cache: VarLenCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The context prefill and compression of ``rows`` into ``cache``, phase by phase
-        (:mod:`pipeline.kv.phases`): the forward, in one pass or chunk by chunk (``prefill_chunk``),
-        runs the ``LAYER`` and ``PREFILL`` phases inside the cache; the ``PASSES`` phase (KVzip's
-        reconstruction passes) runs here after it. Returns (context lengths (B,), last logits (B, V))."""
-        cfg = cache.compressor.config
-        warn_below_window(rows, cfg)
-        if cfg.chunked:
-            return self.decoder.prefill_chunked(rows, cache, cfg.prefill_chunk)
-        ctx_len, logits = self.decoder.prefill(rows, cache)
-        if cfg.phase is Phase.PASSES:
-            self._run_passes(rows, cache)
-        return ctx_len, logits
-
-    def _run_passes(self, rows: list[Row], cache: VarLenCache) -> None:
-        """The ``PASSES`` phase: KVzip's reconstruction passes, then every pending layer compressed
-        (both in ``compress_s``)."""
-        cfg = cache.compressor.config
-        t0 = now(self.device)
-        contexts, prefixes = [r.prompt.context_ids for r in rows], [r.prompt.prefix_tokens for r in rows]
-        scores = self.reconstruction.scores(contexts, prefixes, cache.pending, cfg.reconstruction_chunk, cfg.kvzip_plus)
-        cache.compress_seconds += now(self.device) - t0
-        cache.finish_compression(scores)
+    def prefill(self, rows: list[Row], cache: ChunkCache, passes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context prefill and compression of ``rows`` into the empty ``cache`` by the plan its config
+        chooses (:mod:`pipeline.engine.prefill`), KVzip's passes included unless ``passes`` is False.
+        Returns (context lengths (B,), last logits (B, V))."""
+        return self.context_prefill.run(rows, cache, passes)
 
     # ------------------------------------------------------------------ error isolation
     def _generate(

@@ -1,5 +1,6 @@
 """The layer-by-layer prefill's driver: every decoder layer runs over the whole context, a slice of
-tokens at a time, before the next layer starts (the cache side, and why: :mod:`pipeline.kv.sliced`).
+tokens at a time, before the next layer starts (the cache side, and why:
+:mod:`pipeline.kv.prefill.layer_by_layer`).
 
 The model's own forward is replaced, for the context prefill only, by the same steps over its public
 modules: ``embed_tokens``, ``rotary_emb``, each decoder layer, ``norm`` and ``lm_head`` (on the last
@@ -17,8 +18,8 @@ from contextlib import nullcontext
 import torch
 
 from ..kv.attention import cache_keyword, recorded_attention_inputs
-from ..kv.cache import ChunkCache, VarLenCache
-from ..kv.sliced import LayerSlices
+from ..kv.cache import VarLenCache
+from ..kv.prefill.rules import PrefillPlan
 
 LOG = logging.getLogger(__name__)
 
@@ -52,27 +53,21 @@ def usable_slice(model: torch.nn.Module, tokens: int) -> int:
     return tokens
 
 
-def can_prefill_layerwise(cache: ChunkCache, length: int, tokens: int) -> bool:
-    """A context of ``length`` columns goes layer by layer into ``cache`` at ``tokens`` per slice: the
-    cache is a compressing cache that allows it (:meth:`LayerSlices.refusal`), and the context is
-    longer than one slice."""
-    return 0 < tokens < length and isinstance(cache, VarLenCache) and LayerSlices.refusal(cache) is None
-
-
 @torch.inference_mode()
 def layerwise_prefill(
-    model: torch.nn.Module, cache: VarLenCache, ids: torch.Tensor, positions: torch.Tensor, tokens: int
+    model: torch.nn.Module, cache: VarLenCache, ids: torch.Tensor, positions: torch.Tensor, plan: PrefillPlan
 ) -> torch.Tensor:
     """Prefill ``ids`` (B, T), left padded, at ``positions`` (B, T) (-1 on padding) into the empty
-    ``cache``, layer by layer, ``tokens`` columns at a time. Returns the last column's logits (B, V)
+    ``cache``, layer by layer, ``plan.tokens`` columns at a time (a cache that cannot be prefilled so
+    raises ``ValueError``). Returns the last column's logits (B, V)
     float32. The hidden states (B, T, hidden) are one buffer that each slice's layer output overwrites:
     a later slice of the same layer needs only the layer's K/V of the earlier ones, which the cache holds.
     RoPE's (cos, sin) are computed per slice (the same values; not held for the whole context)."""
-    inner = model.model
+    inner, tokens = model.model, plan.tokens
     keyword = cache_keyword(inner.layers[0])
     length = ids.shape[1]
     hidden = inner.embed_tokens(ids)
-    slices = cache.begin_sliced_prefill(positions)
+    slices = cache.begin_prefill(plan, positions=positions)
     recording = recorded_attention_inputs(model, cache.hidden_states) if cache.wants_hidden_states else nullcontext()
     try:
         with recording:
@@ -92,6 +87,5 @@ def layerwise_prefill(
                     )
                     hidden[:, start:end] = out[0] if isinstance(out, tuple) else out
     finally:
-        cache.end_sliced_prefill()
         cache.hidden_states.clear()
     return model.lm_head(inner.norm(hidden[:, -1:]))[:, -1].float()

@@ -19,7 +19,7 @@ wording as its code, chunk 2048 as kvpress). Where this differs from the origina
   padding in the later passes.
 
 The scores are per layer (B, H_kv, n) in the dense left-padded layout of the pending layers;
-:meth:`pipeline.kv.cache.VarLenCache.finish_compression` takes them as the scorer's ``observed``.
+the held prefill's ``finish`` (:mod:`pipeline.kv.prefill.layers`) takes them as the scorer's ``observed``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ decode-time cap, a document retried alone) is a sweep of one setting.
 Per batch of B documents (:meth:`pipeline.engine.engine.Engine.generate_sweep`, and with one setting
 :meth:`~pipeline.engine.engine.Engine.generate`'s batch path):
 
-1. one prefill into a :class:`~pipeline.kv.capture.CaptureCache` (every layer's dense K/V kept),
+1. one prefill into a :class:`~pipeline.kv.prefill.capture.CaptureCache` (every layer's dense K/V kept),
    then KVzip's reconstruction passes once per distinct (chunk, KVzip+) among the settings;
 2. the full-cache setting (if swept) is answered first, alone: its answers are the references
    whose likelihood every setting's cache is measured on (answer fidelity);
@@ -32,9 +32,10 @@ from __future__ import annotations
 import torch
 
 from ..kv.cache import VarLenCache
-from ..kv.capture import CaptureCache
 from ..kv.compress import Compressor
 from ..kv.phases import Phase
+from ..kv.prefill.capture import CaptureCache
+from ..kv.prefill.rules import shares_capture
 from .answers import ContextCost, make_answers
 from .batching import Row, warn_below_window
 from .continuous import ContinuousBatch
@@ -96,7 +97,7 @@ class SweepBatch:
 
     def own_prefill(self, index: int) -> bool:
         """Whether setting ``index`` runs its own prefill (see the module docstring)."""
-        return len(self.compressors) == 1 or self.compressors[index].config.chunked
+        return len(self.compressors) == 1 or not shares_capture(self.compressors[index].config)
 
     def run(self) -> list[Answer]:
         engine, rows = self.engine, self.rows
@@ -110,7 +111,7 @@ class SweepBatch:
             if shared:
                 capture = CaptureCache(engine.shape.num_layers, self.compressors, engine.kernels)
                 t0 = now(engine.device)
-                _, logits = engine.decoder.prefill(rows, capture)
+                _, logits = engine.prefill(rows, capture)
                 prefill_s = now(engine.device) - t0
                 passes = self._reconstructions(capture)
             for group in decode_groups(self.compressors, engine.generation.settings_per_decode):

@@ -83,11 +83,12 @@ def document_targets(engine, doc: dict, sample_tokens: int, share_sizes: list[fl
     cache = engine.new_cache(Compressor(config))
     hidden: dict[int, torch.Tensor] = {}
     with recorded_attention_inputs(engine.model, hidden):
-        engine.decoder.prefill(rows, cache)
+        engine.prefill(rows, cache, passes=False)
+    held = cache.prefill.awaiting_passes  # every layer's dense prefill, for the passes run here (KVzip+)
     scores = engine.reconstruction.scores(
-        [rows[0].prompt.context_ids], [rows[0].prompt.prefix_tokens], cache.pending, config.reconstruction_chunk, True
+        [rows[0].prompt.context_ids], [rows[0].prompt.prefix_tokens], held, config.reconstruction_chunk, True
     )
-    key_pos = cache.pending[0].key_pos
+    key_pos = held[0].key_pos
     shares = _global_shares(scores, key_pos, share_sizes, config.window)
     prefix, n = rows[0].prompt.prefix_tokens, key_pos.shape[1]
     candidates = [i for i in range(n) if int(key_pos[0, i]) >= prefix]

@@ -181,7 +181,8 @@ class _Recorder:
         scores_cache: dict[tuple, torch.Tensor] = {}
         for name, compressor in self.compressors.items():
             cfg = compressor.config
-            keep = compressor.compress_layer(idx, module, q_ctx, k_ctx, v_ctx, positions, scaling).keep
+            observed = compressor.observe(q_ctx, positions, idx)
+            keep = compressor.compress_observed(idx, module, observed, k_ctx, v_ctx, positions, scaling).keep
             stats = {"later": probe.evaluate(torch.cat([keep[0], later], dim=-1))}
             if "window" in probes:
                 stats["window"] = probes["window"].evaluate(keep[0])

@@ -4,7 +4,9 @@
 * :mod:`~pipeline.kv.parts` and the registries :data:`~pipeline.kv.scorers.SCORERS`,
   :data:`~pipeline.kv.allocation.ALLOCATIONS`, :data:`~pipeline.kv.selection.SELECTIONS`;
 * :mod:`~pipeline.kv.compress` -- the per-layer :class:`Compressor`;
-* :mod:`~pipeline.kv.store`, :mod:`~pipeline.kv.cache`, :mod:`~pipeline.kv.capture`,
-  :mod:`~pipeline.kv.decode_cap` -- the variable-length cache and what it does over time;
+* :mod:`~pipeline.kv.store`, :mod:`~pipeline.kv.cache`, :mod:`~pipeline.kv.decode_cap` -- the
+  variable-length cache: storage, decode steps, rollback;
+* :mod:`~pipeline.kv.prefill` -- how a context is prefilled into it (one strategy per module, the
+  rules in :mod:`~pipeline.kv.prefill.rules`), and the sweep's capture;
 * :mod:`~pipeline.kv.attention`, :mod:`~pipeline.kv.varlen_kernels` -- attention over it.
 """

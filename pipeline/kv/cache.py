@@ -3,12 +3,11 @@
 Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_chunk`):
 
 1. ``run_chunk`` declares the chunk's positions (B, T), -1 on padding, and runs the model; its
-   forward calls ``update`` (which only passes the dense K/V through) and then the registered
-   attention function, which calls :meth:`VarLenCache.attend`. On the prefill chunk: dense causal
-   attention, then the :class:`~pipeline.kv.compress.Compressor` picks the entries to keep and they
-   are copied into an exactly-sized :class:`~pipeline.kv.store.VarLenLayer`. The dense K/V of the
-   layer are dropped when the layer returns, so peak memory is the compressed cache + one layer's
-   full K/V.
+   forward calls ``update`` and then the registered attention function, which calls
+   :meth:`VarLenCache.attend`. Until the context is compressed both go to the prefill strategy under
+   way (:attr:`VarLenCache.prefill`, :mod:`pipeline.kv.prefill`: one pass by default; the engine
+   starts another with :meth:`VarLenCache.begin_prefill`), which stores each layer's kept entries in an
+   exactly-sized :class:`~pipeline.kv.store.VarLenLayer` and ends the prefill.
 2. Later chunks (question tokens, then one token per decode step): ``update`` appends to every
    segment, :meth:`attend` runs attention over the variable-length segments with the kernel
    :func:`~pipeline.kv.varlen_kernels.choose_kernel` picks (on CPU the blocked kernel, and for a
@@ -19,9 +18,8 @@ Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_ch
    matmuls (:func:`~pipeline.kv.attention.grouped_decode_attention`, CPU and CUDA; SDPA if forced).
 3. Optional decode-time cap (``max_cache_tokens``, :mod:`pipeline.kv.decode_cap`).
 
-The prefill may instead go chunk by chunk with eviction (:mod:`pipeline.kv.chunked`) or layer by layer
-in token slices with one pass's kept entries (:mod:`pipeline.kv.sliced`). :meth:`kept_positions` reads
-back the original positions held for (layer, row, head).
+The cache itself is storage, decode and rollback; :meth:`kept_positions` reads back the original
+positions held for (layer, row, head).
 """
 
 from __future__ import annotations
@@ -34,19 +32,16 @@ from transformers.cache_utils import Cache
 
 from .attention import (
     cache_keyword,
-    dense_prefill_attention,
     grouped_decode_attention,
     recorded_attention_inputs,
     varlen_attention,
 )
-from .chunked import ChunkedCompression
-from .compress import Compressor, LayerSelection, PendingLayer
+from .compress import Compressor, LayerSelection
 from .decode_cap import DecodeCap
-from .phases import Phase
-from .sliced import LayerSlices
+from .prefill.base import PrefillStrategy
+from .prefill.build import start_prefill
+from .prefill.rules import PrefillPlan, layer_timing
 from .store import VarLenLayer
-from .streamed import StreamedLayers
-from .timing import BlockTimer
 from .varlen_kernels import (
     KernelChoice,
     blocked_attention,
@@ -147,7 +142,11 @@ def run_chunk(model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor
 class VarLenCache(ChunkCache):
     """Variable-length KV cache for ``num_layers`` layers; see the module docstring."""
 
-    def __init__(self, num_layers: int, compressor: Compressor, kernels: KernelChoice | None = None) -> None:
+    def __init__(
+        self, num_layers: int, compressor: Compressor, kernels: KernelChoice | None = None, compressed: bool = False
+    ) -> None:
+        """``compressed``: the cache will hold rows of caches that are compressed already (they join it,
+        :func:`~pipeline.kv.rows.regroup`), so it never prefills."""
         super().__init__(num_layers)
         self.compressor = compressor
         # decided once (by the engine, which passes its choice; else here), never per attention call
@@ -159,10 +158,8 @@ class VarLenCache(ChunkCache):
         self.context_entries: torch.Tensor | None = None  # (B,) kept entries per row after prefill
         self.context_bytes: torch.Tensor | None = None  # (B,) bytes held per row after prefill
         self.cap = DecodeCap(compressor) if compressor.config.max_cache_tokens is not None else None
-        self.pending: list[PendingLayer | None] = [None] * num_layers  # phases after LAYER, until compressed
-        self.streamed: StreamedLayers | None = None  # a streamed cross-layer prefill's state (instead of pending)
-        self.chunked: ChunkedCompression | None = None  # during a chunked prefill (begin_chunked_prefill)
-        self.sliced: LayerSlices | None = None  # during a layer-by-layer prefill (begin_sliced_prefill)
+        self._prefill: PrefillStrategy | None = None  # made when first needed (see prefill)
+        self._compressed = compressed
 
     @classmethod
     def from_layers(
@@ -171,7 +168,7 @@ class VarLenCache(ChunkCache):
         """A cache holding already compressed layers (e.g. built by a diagnostic from its own prefill)."""
         cache = cls(len(layers), compressor, kernels)
         cache.store = list(layers)
-        cache._finish_context()
+        cache.end_prefill()
         return cache
 
     @property
@@ -179,53 +176,41 @@ class VarLenCache(ChunkCache):
         return self.compressor.config.cache_size
 
     @property
+    def prefill(self) -> PrefillStrategy | None:
+        """The prefill under way (:mod:`pipeline.kv.prefill`; one pass unless :meth:`begin_prefill` began
+        another), None once the context is compressed. Made when first needed: a strategy refers back
+        to its cache, and an idle cache holds no such cycle."""
+        if self._prefill is None and not self._compressed:
+            self._prefill = start_prefill(self, PrefillPlan(layers=layer_timing(self.compressor.config)))
+        return self._prefill
+
+    @property
     def wants_hidden_states(self) -> bool:
-        prefilling = self.chunked is not None or any(layer is None for layer in self.store)
-        return self.compressor.needs_hidden_states and prefilling
+        return self.prefill is not None and self.prefill.wants_hidden_states
 
-    # ------------------------------------------------------------------ chunked prefill
-    def begin_chunked_prefill(self, lengths: torch.Tensor) -> None:
-        """Prefill chunks of contexts of ``lengths`` (B,) tokens go through
-        :class:`~pipeline.kv.chunked.ChunkedCompression` until :meth:`end_chunked_prefill`; call
-        :meth:`compress_chunk` after each chunk's forward."""
-        if self.cap is not None or self.compressor.phase is Phase.PASSES:
-            raise ValueError("a chunked prefill cannot use the decode-time cap or a reconstruction scorer (kvzip)")
-        if any(layer is not None for layer in self.store):
-            raise RuntimeError("a chunked prefill starts from an empty cache")
-        self.chunked = ChunkedCompression(self, BlockTimer, lengths.to(torch.long))
+    def begin_prefill(
+        self, plan: PrefillPlan, positions: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+    ) -> PrefillStrategy:
+        """Prefill this empty cache with ``plan`` (:func:`pipeline.kv.prefill.rules.plan_prefill`) instead
+        of one pass: a layer-by-layer prefill needs the contexts' ``positions`` (B, T), a chunked one their
+        ``lengths`` (B,). Returns the strategy, through which its driver declares slices or chunks."""
+        if self._compressed or any(layer is not None for layer in self.store):
+            raise RuntimeError("a prefill starts from an empty cache")
+        self._prefill = start_prefill(self, plan, positions, lengths)
+        return self._prefill
 
-    def compress_chunk(self, seen: torch.Tensor) -> None:
-        """After a chunk's forward (``seen``: (B,) tokens so far per row): compress to ``chunk_budget``."""
-        with BlockTimer(seen.device) as timer:
-            self.chunked.compress(seen)
-        self.compress_seconds += timer.seconds
-
-    def end_chunked_prefill(self) -> None:
-        self.chunked = None
-        self._finish_context()
-
-    # ------------------------------------------------------------------ layer-by-layer prefill
-    def begin_sliced_prefill(self, positions: torch.Tensor) -> LayerSlices:
-        """A layer-by-layer prefill of contexts at ``positions`` (B, T) (:mod:`pipeline.kv.sliced`) until
-        :meth:`end_sliced_prefill`; returns its state, through which the driver declares each slice."""
-        if any(layer is not None for layer in self.store) or self.chunked is not None:
-            raise RuntimeError("a layer-by-layer prefill starts from an empty cache")
-        self.sliced = LayerSlices(self, positions)
-        return self.sliced
-
-    def end_sliced_prefill(self) -> None:
-        self.sliced = None
+    def end_prefill(self) -> None:
+        """The context is compressed (a prefill strategy's last call): the cache serves decode steps."""
+        self._prefill, self._compressed = None, True
+        self.context_entries = self.entries_per_row()
+        self.context_bytes = self.bytes_per_row()
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
-        if self.sliced is not None:
-            return self.sliced.update(key_states, value_states)
-        layer = self.store[layer_idx]
-        if layer is not None:
-            if self.chunked is not None:  # exactly this chunk's slots, for this layer only (no slack)
-                layer.reserve(key_states.shape[2])
-            layer.append(key_states, value_states, self.chunk_pos, has_padding=self.chunk_padding)
-            if self.cap is not None:  # the cap gives the new entries their norms after the attention
-                self._appended[layer_idx] = value_states
+        if self.prefill is not None:
+            return self.prefill.update(layer_idx, key_states, value_states)
+        self.store[layer_idx].append(key_states, value_states, self.chunk_pos, has_padding=self.chunk_padding)
+        if self.cap is not None:  # the cap gives the new entries their norms after the attention
+            self._appended[layer_idx] = value_states
         return key_states, value_states
 
     def reserve(self, extra: int) -> None:
@@ -237,23 +222,13 @@ class VarLenCache(ChunkCache):
     def attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
     ) -> torch.Tensor:
-        """Attention for one layer; compresses on the prefill chunk. Returns (B, H_q, T, D)."""
+        """Attention for one layer (B, H_q, T, D): the prefill strategy's while one is under way, else
+        over the stored entries."""
         idx = module.layer_idx
         if self.chunk_pos is None:
             raise RuntimeError("VarLenCache is driven through run_chunk() (it declares the chunk's positions)")
-        if self.chunked is not None:
-            return self.chunked.attend(idx, module, query, key, value, scaling)
-        if self.sliced is not None:
-            return self.sliced.attend(idx, module, query, key, value, scaling)
-        if self.pending[idx] is not None:
-            raise RuntimeError(
-                "the context is not compressed yet: run the reconstruction passes and finish_compression()"
-            )
-        if self.store[idx] is None:
-            out = dense_prefill_attention(query, key, value, self.chunk_pos, scaling)
-            observed = self.compressor.observe(query, self.chunk_pos, idx, self.hidden_states.pop(idx, None))
-            self.compress_into(idx, module, observed, key, value, self.chunk_pos, scaling)
-            return out
+        if self.prefill is not None:
+            return self.prefill.attend(idx, module, query, key, value, scaling)
         out, kernel = self._attend_stored(idx, query, scaling)
         self.kernels_used.add(kernel)
         self._appended.pop(idx, None)
@@ -293,62 +268,13 @@ class VarLenCache(ChunkCache):
             self.cap.after_chunk(idx, layer, probs, self._appended.get(idx), self.chunk_pos >= 0)
         return out, kernel
 
-    def compress_into(self, idx: int, module, observed, key, value, key_pos, scaling) -> None:
-        """One layer's dense prefill K/V (B, H_kv, n, D) after its attention: compressed into the store
-        now (timed) when the method decides in ``Phase.LAYER`` or streams across layers
-        (:mod:`pipeline.kv.streamed`); else kept pending, and every layer is compressed after the last
-        one's attention (``PREFILL``) or when the engine brings the reconstruction scores (``PASSES``,
-        :meth:`finish_compression`)."""
-        phase = self.compressor.phase
-        if idx == 0 and self.compressor.streams_across_layers:  # made per prefill: it refers back to the cache
-            self.streamed = StreamedLayers(self)
-        if phase is not Phase.LAYER and self.streamed is None:
-            self.pending[idx] = PendingLayer(module, key, value, key_pos, scaling, observed)
-            if idx == self.num_layers - 1 and phase is Phase.PREFILL:
-                self.finish_compression()
-            return
-        with BlockTimer(key.device) as timer:
-            if self.streamed is not None:  # a cross-layer budget, decided as the layers come
-                self.streamed.add_layer(idx, module, observed, key, value, key_pos, scaling)
-            else:
-                selection = self.compressor.compress_observed(idx, module, observed, key, value, key_pos, scaling)
-                self._store_layer(idx, selection, key, value, key_pos)
-        self.compress_seconds += timer.seconds
-        if idx == self.num_layers - 1:
-            self.streamed = None  # its scores are not needed after the prefill (nor its reference back)
-            self._finish_context()
-
-    @property
-    def awaiting_reconstruction(self) -> bool:
-        """Every layer is pending and the scorer's reconstruction scores are still to come (KVzip)."""
-        return self.compressor.phase is Phase.PASSES and self.pending[-1] is not None
-
-    def finish_compression(self, observed: list | None = None) -> None:
-        """Compress every pending layer at once (methods deciding after ``Phase.LAYER``); ``observed``: per layer, the
-        reconstruction scores (B, H_kv, n) that replace what the prefill observed. The dense K/V are
-        dropped afterwards: the cache then holds only the kept entries."""
-        if any(layer is None for layer in self.pending):
-            raise RuntimeError("finish_compression() needs every layer prefilled")
-        if observed is not None:
-            for layer, obs in zip(self.pending, observed):
-                layer.observed = obs
-        with BlockTimer(self.pending[0].key.device) as timer:
-            selections = self.compressor.compress_model(self.pending)
-            for idx, (layer, selection) in enumerate(zip(self.pending, selections)):
-                self._store_layer(idx, selection, layer.key, layer.value, layer.key_pos)
-        self.compress_seconds += timer.seconds
-        self.pending = [None] * self.num_layers
-        self._finish_context()
-
-    def _store_layer(self, idx: int, selection: LayerSelection, key, value, key_pos) -> None:
+    def store_layer(self, idx: int, selection: LayerSelection, key, value, key_pos) -> None:
+        """Layer ``idx``'s kept entries (``selection.keep`` of its dense K/V (B, H_kv, n, D)) into an
+        exactly-sized store (with the decode-time cap's statistics)."""
         layer = VarLenLayer.from_dense(key, value, key_pos, selection.keep)
         if self.cap is not None:
             self.cap.init_layer(layer, selection, key_pos)
         self.store[idx] = layer
-
-    def _finish_context(self) -> None:
-        self.context_entries = self.entries_per_row()
-        self.context_bytes = self.bytes_per_row()
 
     # ------------------------------------------------------------------ multi-question support
     def checkpoint(self) -> list:

@@ -34,6 +34,7 @@ from ..options import CommandLineConfig
 from .allocation import ALLOCATIONS
 from .parts import declared_knobs
 from .phases import Phase, method_phase
+from .prefill.rules import config_refusal
 from .scorers import SCORERS
 from .selection import SELECTIONS
 
@@ -214,14 +215,9 @@ class CompressionConfig(MethodChoice, CompressionKnobs):
                 f"budget ({self.budget} tokens per head) is smaller than the observation window "
                 f"({self.window}); the window is always kept and counts inside the budget"
             )
-        if self.prefill_chunk is not None and self.compresses:
-            if self.phase is Phase.PASSES:
-                raise ValueError(
-                    f"prefill_chunk: scorer {self.scorer!r} scores from passes over the whole context and cannot "
-                    "compress chunk by chunk; use kvzap (its one-pass predictor) or another scorer"
-                )
-            if self.max_cache_tokens is not None:
-                raise ValueError("prefill_chunk and max_cache_tokens (the decode-time cap) cannot be combined")
+        refusal = config_refusal(self)  # the prefill's rules (pipeline.kv.prefill.rules)
+        if refusal is not None:
+            raise ValueError(refusal)
         if self.max_cache_tokens is not None and self.max_cache_tokens <= self.window:
             raise ValueError(
                 f"max_cache_tokens ({self.max_cache_tokens}) must exceed the window ({self.window}),"

@@ -28,8 +28,7 @@ from pydantic import BaseModel
 
 from .phases import Phase
 
-if TYPE_CHECKING:  # annotations only: config imports the registries, which import this module
-    from .config import CompressionConfig
+if TYPE_CHECKING:  # annotations only
     from .kvzap_model import KVzapModel
     from .value_norms import NormStats, OutputProjection
 
@@ -97,8 +96,10 @@ class Part:
     #: layer's attention unless it says otherwise
     decides: ClassVar[Phase] = Phase.LAYER
 
-    def check(self, config: CompressionConfig) -> None:
-        """Raise ``ValueError`` when ``config`` cannot run with this part (default: nothing to check)."""
+    def check(self, config: BaseModel) -> None:
+        """Raise ``ValueError`` when ``config`` (a :class:`~pipeline.kv.config.CompressionConfig`, which
+        imports the registries, so it is not named here) cannot run with this part (default: nothing
+        to check)."""
 
     def option_models(self) -> tuple[type[BaseModel], ...]:
         """The models that declare this part's knobs: its options model and the common models it
@@ -107,7 +108,7 @@ class Part:
             return ()
         return tuple(m for m in self.options.__mro__ if issubclass(m, BaseModel) and declared_knobs(m))
 
-    def options_from(self, config: CompressionConfig) -> BaseModel | None:
+    def options_from(self, config: BaseModel) -> BaseModel | None:
         """This part's typed options, read from a config's knobs (None for a part without knobs)."""
         if self.options is None:
             return None
@@ -131,7 +132,7 @@ class Scorer(Part):
     #: ``observe`` reads each layer's attention input (``LayerInputs.hidden``), recorded by the cache
     needs_hidden_states: ClassVar[bool] = False
     #: ``observe`` can run on consecutive slices of a layer's queries, merged by :meth:`merge_observed`
-    #: (a layer-by-layer prefill, :mod:`pipeline.kv.sliced`)
+    #: (a layer-by-layer prefill, :mod:`pipeline.kv.prefill.layer_by_layer`)
     observes_in_slices: ClassVar[bool] = True
 
     def observed_queries(self, window: int, options: BaseModel | None) -> int:
@@ -185,7 +186,7 @@ class Allocation(Part):
 
     #: a ``Phase.PREFILL`` allocation whose counts from the first layers' scores (:meth:`prefix_head_budgets`)
     #: never fall below what those layers finally keep, so the cache can compress each layer as it comes
-    #: and shrink earlier ones later (:mod:`pipeline.kv.streamed`) instead of holding the dense cache
+    #: and shrink earlier ones later (:mod:`pipeline.kv.prefill.streamed_budgets`) instead of holding the dense cache
     streams: ClassVar[bool] = False
 
     def model_head_budgets(

@@ -1,4 +1,4 @@
-"""Layer-by-layer prefill in token slices (``pipeline.engine.layerwise`` + ``pipeline.kv.sliced``).
+"""Layer-by-layer prefill in token slices (``pipeline.engine.layerwise`` + ``pipeline.kv.prefill.layer_by_layer``).
 
 * every method whose scorer observes slices keeps exactly the one-pass prefill's entries, with the
   same last logits, at batch 2 with left padding, in slices shorter than the observation window and
@@ -15,16 +15,17 @@ import types
 import pytest
 import torch
 
-from pipeline.engine import decoding
+from pipeline.engine import prefill as engine_prefill
 from pipeline.engine.config import GenerationConfig
 from pipeline.engine.engine import Engine
-from pipeline.engine.layerwise import can_prefill_layerwise, layerwise_prefill, usable_slice
+from pipeline.engine.layerwise import layerwise_prefill, usable_slice
 from pipeline.engine.types import Request
 from pipeline.kv.attention import register
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
-from pipeline.kv.sliced import LayerSlices
+from pipeline.kv.prefill.layer_by_layer import LayerByLayer
+from pipeline.kv.prefill.rules import PrefillPlan, layer_timing, plan_prefill
 from tests.engine.test_engine import KVZAP_DIR, TEXT
 from tests.kv.test_chunked import _compressor, _kept, _rows
 from tests.methods import ALL_METHODS, one_method_per_part
@@ -43,6 +44,11 @@ def _batch(rows):
     return ids, pos
 
 
+def _plan(cache: VarLenCache, tokens: int) -> PrefillPlan:
+    """A layer-by-layer plan of ``tokens`` per slice (also one slice as long as the context)."""
+    return PrefillPlan("layer-by-layer", layer_timing(cache.compressor.config), tokens)
+
+
 def _both(model, method, tokens, cache_size=0.3, rows=None):
     """(one-pass cache, its last logits), (layer-by-layer cache, its last logits) of the same rows
     (default: two rows, the second left padded)."""
@@ -54,7 +60,7 @@ def _both(model, method, tokens, cache_size=0.3, rows=None):
     with torch.inference_mode():
         logits_one = run_chunk(model, one, ids, pos).logits[:, -1].float()
     sliced = VarLenCache(layers, _compressor(model, method, cache_size))
-    logits_sliced = layerwise_prefill(model, sliced, ids, pos, tokens)
+    logits_sliced = layerwise_prefill(model, sliced, ids, pos, _plan(sliced, tokens))
     return rows, (one, logits_one), (sliced, logits_sliced)
 
 
@@ -64,7 +70,7 @@ def test_small_slices_keep_the_one_pass_entries(method):
     rows, (one, logits_one), (sliced, logits_sliced) = _both(model, method, tokens=2)
     assert _kept(sliced, model, rows) == _kept(one, model, rows)
     torch.testing.assert_close(logits_sliced, logits_one, rtol=1e-5, atol=1e-5)
-    assert sliced.sliced is None and torch.equal(sliced.context_entries, one.context_entries)
+    assert sliced.prefill is None and torch.equal(sliced.context_entries, one.context_entries)
 
 
 @pytest.mark.parametrize("method", [m for m in one_method_per_part() if m in SLICEABLE])
@@ -103,16 +109,16 @@ def test_each_layer_is_compressed_before_the_next_starts():
 
     def before_layer(layer_idx):
         def hook(module, args, kwargs):
-            if cache.sliced.start == 0:  # the layer's first slice
+            if cache.prefill.start == 0:  # the layer's first slice
                 held = [cache.store[i] for i in range(layer_idx)]
-                seen.append((layer_idx, cache.sliced.key is None, [int(s.length.sum()) for s in held]))
+                seen.append((layer_idx, cache.prefill.key is None, [int(s.length.sum()) for s in held]))
                 assert cache.store[layer_idx] is None
 
         return hook
 
     for idx, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(before_layer(idx), with_kwargs=True)
-    layerwise_prefill(model, cache, ids, pos, 8)
+    layerwise_prefill(model, cache, ids, pos, _plan(cache, 8))
     assert [s[0] for s in seen] == [0, 1, 2] and all(s[1] for s in seen)
     assert [len(s[2]) for s in seen] == [0, 1, 2]
     assert all(0 < held < full_entries for s in seen for held in s[2])  # compressed, not the dense layer
@@ -122,20 +128,21 @@ def test_each_layer_is_compressed_before_the_next_starts():
 def test_scorers_that_need_every_query_are_not_sliced():
     model = tiny_model("llama", seed=1)
     cache = VarLenCache(2, _compressor(model, "expected_attention", 0.3))
-    assert not can_prefill_layerwise(cache, 40, 8)
+    assert plan_prefill(cache.compressor.config, 8, 40).forward == "one-pass"
     with pytest.raises(ValueError, match="every query at once"):
-        LayerSlices(cache, torch.zeros(1, 40, dtype=torch.long))
-    assert can_prefill_layerwise(VarLenCache(2, _compressor(model, "snapkv", 0.3)), 40, 8)
-    assert not can_prefill_layerwise(VarLenCache(2, _compressor(model, "snapkv", 0.3)), 8, 8)  # one slice
+        LayerByLayer(cache, None, torch.zeros(1, 40, dtype=torch.long))
+    snapkv = _compressor(model, "snapkv", 0.3).config
+    assert plan_prefill(snapkv, 8, 40) == PrefillPlan("layer-by-layer", "at-once", 8)
+    assert plan_prefill(snapkv, 8, 8).forward == "one-pass"  # one slice
 
 
 def test_the_decode_time_cap_prefills_in_one_forward():
     capped = VarLenCache(
         2, Compressor(CompressionConfig(method="snapkv", cache_size=0.3, window=4, max_cache_tokens=16))
     )
-    assert not can_prefill_layerwise(capped, 40, 8)
+    assert plan_prefill(capped.compressor.config, 8, 40).forward == "one-pass"
     with pytest.raises(ValueError, match="decode-time cap"):
-        LayerSlices(capped, torch.zeros(1, 40, dtype=torch.long))
+        LayerByLayer(capped, None, torch.zeros(1, 40, dtype=torch.long))
 
 
 def test_models_outside_the_supported_families_use_one_forward(caplog):
@@ -155,14 +162,15 @@ def test_models_outside_the_supported_families_use_one_forward(caplog):
 def test_engine_answers_and_kept_entries_are_those_of_one_forward(method, continuous, monkeypatch):
     requests = [Request("a", TEXT * 3, ["Who jumps?", "Why?"]), Request("b", TEXT, ["What?"])]
     results, calls = [], []
-    monkeypatch.setattr(decoding, "layerwise_prefill", lambda *a: calls.append(a[-1]) or layerwise_prefill(*a))
+    counted = lambda *a: calls.append(a[-1].tokens) or layerwise_prefill(*a)  # noqa: E731
+    monkeypatch.setattr(engine_prefill, "layerwise_prefill", counted)
     for tokens in (0, 16):
         loaded = tiny_loaded("llama")
         loaded.layerwise_prefill = tokens
         extra = {"kvzap_model": tiny_kvzap_file(loaded, KVZAP_DIR)} if "kvzap" in method else {}
         comp = CompressionConfig(method=method, cache_size=0.4, window=4, kernel=3, **extra)
         engine = Engine(loaded, comp, GenerationConfig(max_new_tokens=8, batch_size=2, continuous=continuous))
-        assert engine.decoder.layer_slice == tokens
+        assert engine.context_prefill.layer_slice == tokens
         answers = engine.generate(requests)
         results.append([(a.prediction, a.kv_entries_kept, a.error) for a in answers])
     assert results[0] == results[1]

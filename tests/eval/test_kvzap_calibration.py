@@ -63,10 +63,10 @@ def _true_scores(engine, doc):
     rows = engine._rows_for(Request("x", doc["context"], ["?"]))
     cache, hidden = VarLenCache(engine.shape.num_layers, Compressor(config)), {}
     with recorded_attention_inputs(engine.model, hidden):
-        engine.decoder.prefill(rows, cache)
-    prompt = rows[0].prompt
-    scores = engine.reconstruction.scores([prompt.context_ids], [prompt.prefix_tokens], cache.pending, 2048, True)
-    return scores, hidden, cache.pending[0].key_pos, prompt.prefix_tokens
+        engine.prefill(rows, cache, passes=False)
+    prompt, held = rows[0].prompt, cache.prefill.awaiting_passes
+    scores = engine.reconstruction.scores([prompt.context_ids], [prompt.prefix_tokens], held, 2048, True)
+    return scores, hidden, held[0].key_pos, prompt.prefix_tokens
 
 
 def test_targets_are_the_kvzip_plus_scores_at_sampled_entries():

@@ -80,13 +80,12 @@ def run_ours(model, compressor, rows):
         ids[b, width - ctx.numel() :] = ctx
         pos[b, width - ctx.numel() :] = torch.arange(ctx.numel(), device=DEVICE)
     run_chunk(model, cache, ids, pos)
-    if cache.awaiting_reconstruction:  # KVzip: the passes, as the engine runs them
+    held = cache.prefill.awaiting_passes if cache.prefill is not None else None
+    if held is not None:  # KVzip: the passes, as the engine runs them
         cfg = compressor.config
         passes = ContextReconstruction(model, PromptBuilder(tiny_tokenizer()), 258, DEVICE)
         contexts = [r[0].tolist() for r in rows]
-        cache.finish_compression(
-            passes.scores(contexts, [0] * len(rows), cache.pending, cfg.reconstruction_chunk, cfg.kvzip_plus)
-        )
+        cache.prefill.finish(passes.scores(contexts, [0] * len(rows), held, cfg.reconstruction_chunk, cfg.kvzip_plus))
     lengths = torch.tensor([r[0].numel() for r in rows], device=DEVICE)
     chunks = [torch.stack([r[1] for r in rows])] + [torch.stack([r[2][i : i + 1] for r in rows]) for i in range(N_DEC)]
     outs, start = [], lengths

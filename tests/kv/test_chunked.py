@@ -20,6 +20,7 @@ from pipeline.kv.attention import register
 from pipeline.kv.cache import VarLenCache, run_chunk
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
+from pipeline.kv.prefill.rules import plan_prefill
 from pipeline.kv.rope import model_rotary
 from tests.kv.reference import topk_indices
 from tests.methods import COMPRESSING
@@ -68,7 +69,7 @@ def run_chunked(model, compressor, rows, chunk, after_chunk=None):
     cache = VarLenCache(model.config.num_hidden_layers, compressor)
     lengths = torch.tensor([len(r) for r in rows], device=DEVICE)
     last = [None] * len(rows)
-    cache.begin_chunked_prefill(lengths)
+    prefill = cache.begin_prefill(plan_prefill(compressor.config), lengths=lengths)
     for begin in range(0, int(lengths.max()), chunk):
         pieces = [r[begin : begin + chunk] for r in rows]
         width = max(len(p) for p in pieces)
@@ -79,13 +80,13 @@ def run_chunked(model, compressor, rows, chunk, after_chunk=None):
                 ids[b, width - len(p) :] = p
                 pos[b, width - len(p) :] = torch.arange(begin, begin + len(p), device=DEVICE)
         out = run_chunk(model, cache, ids, pos).logits[:, -1]
-        cache.compress_chunk(lengths.clamp(max=begin + chunk))
+        prefill.after_forward(lengths.clamp(max=begin + chunk))
         for b in range(len(rows)):
             if begin < len(rows[b]) <= begin + chunk:
                 last[b] = out[b]
         if after_chunk is not None:
             after_chunk(cache, lengths.clamp(max=begin + chunk))
-    cache.end_chunked_prefill()
+    prefill.finish()
     return cache, torch.stack(last)
 
 
@@ -287,7 +288,7 @@ def test_held_entries_norms_are_reused_not_recomputed_and_change_nothing(method,
     """CriticalKV needs the projected value norms of the candidates; a held entry's norm was computed
     when it was kept and its value has not changed since, so later chunks reuse it. The kept sets
     equal those of a run that forgets every norm after each chunk, with fewer norms computed."""
-    from pipeline.kv import chunked
+    from pipeline.kv.prefill import chunk_eviction as chunked
 
     model = tiny_model("llama", seed=3)
     rows = _rows(4)

@@ -168,7 +168,8 @@ def test_passes_on_tiny_model_match_full_forwards():
     cache = VarLenCache(2, Compressor(CompressionConfig(method="layer-kvzip", cache_size=0.5, window=4)))
     with torch.inference_mode():
         run_chunk(model, cache, torch.tensor([context], device=DEVICE), torch.arange(40, device=DEVICE)[None])
-    ours = ContextReconstruction(model, prompts, 258, DEVICE).scores([context], [prefix], cache.pending, chunk, False)
+    held = cache.prefill.awaiting_passes
+    ours = ContextReconstruction(model, prompts, 258, DEVICE).scores([context], [prefix], held, chunk, False)
     # naive: each pass as a plain forward over context + pass tokens
     tail = prompts.tail_ids()
     expected = [torch.zeros(H_KV, 40) for _ in range(2)]

@@ -71,7 +71,7 @@ def test_the_compressor_hands_each_part_only_its_options(monkeypatch):
     pos[1, :3] = -1
     module = torch.nn.Module()
     module.o_proj = torch.nn.Linear(32, 32, bias=False)
-    compressor.compress_layer(0, module, query, key, value, pos, 8**-0.5)
+    compressor.compress_observed(0, module, compressor.observe(query, pos), key, value, pos, 8**-0.5)
     # type(), not isinstance: the config itself derives from every options model
     assert type(seen["snapkv"]) is SnapKVOptions and seen["snapkv"].kernel == 5
     assert type(seen["adakv"]) is SafeguardOptions and seen["adakv"].alpha_safeguard == 0.2

@@ -48,23 +48,25 @@ def test_method_phase_is_the_latest_of_its_parts(method, size, phase):
         assert method_phase(cfg.parts()) is phase
 
 
-class _Watched(VarLenCache):
-    """Records, after each layer's attention, how many layers' dense K/V the cache holds pending."""
+def _watched(cache: VarLenCache) -> list[int]:
+    """Records, after each layer's attention, how many layers' dense K/V the cache's prefill holds."""
+    held: list[int] = []
+    step = cache.prefill.layers
+    add = step.add
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.held: list[int] = []
+    def watched_add(idx, *args) -> None:
+        add(idx, *args)
+        held.append(sum(layer is not None for layer in getattr(step, "pending", [])))
 
-    def compress_into(self, idx, *args) -> None:
-        super().compress_into(idx, *args)
-        self.held.append(sum(layer is not None for layer in self.pending))
+    step.add = watched_add
+    return held
 
 
 @pytest.mark.parametrize(
     "method, knobs, held, awaiting",
     [
         ("snapkv", {}, [0, 0, 0], False),  # LAYER: each layer compressed after its own attention
-        # PREFILL with a per-layer scorer: streamed (each layer compressed as it comes, pipeline.kv.streamed)
+        # PREFILL with a per-layer scorer: streamed (each layer compressed as it comes, kv.prefill.streamed_budgets)
         ("layer-snapkv", {}, [0, 0, 0], False),
         # PREFILL under the decode-time cap: compressed after the last layer's attention
         ("layer-snapkv", {"max_cache_tokens": 12}, [1, 2, 0], False),
@@ -74,13 +76,14 @@ class _Watched(VarLenCache):
 def test_the_cache_runs_each_phase_at_its_moment(method, knobs, held, awaiting):
     model = tiny_model("llama", layers=LAYERS)
     model.set_attn_implementation(register())
-    cache = _Watched(LAYERS, Compressor(CompressionConfig(method=method, cache_size=0.3, window=2, **knobs)))
+    cache = VarLenCache(LAYERS, Compressor(CompressionConfig(method=method, cache_size=0.3, window=2, **knobs)))
+    held_after_each_layer = _watched(cache)
     ids = torch.randint(0, 200, (2, 20), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     pos = torch.arange(20, device=DEVICE).expand(2, 20).clone()
     pos[1, :5] = -1  # the second row is left padded
     run_chunk(model, cache, ids, pos)
-    assert cache.held == held
-    assert cache.awaiting_reconstruction is awaiting
+    assert held_after_each_layer == held
+    assert (cache.prefill is not None and cache.prefill.awaiting_passes is not None) is awaiting
     assert all(layer is not None for layer in cache.store) is not awaiting
 
 

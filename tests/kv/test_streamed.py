@@ -1,4 +1,5 @@
-"""Cross-layer budgets streamed layer by layer (pipeline.kv.streamed) keep exactly what the dense path keeps.
+"""Cross-layer budgets streamed layer by layer (pipeline.kv.prefill.streamed_budgets) keep exactly what the
+dense path keeps.
 
 * every method that streams (a per-layer scorer, the ``layer`` allocation, a nested selection; taken
   from the registries) keeps, on a 4-layer tiny model at batch 2 with left padding, the positions that
@@ -20,11 +21,12 @@ from pipeline.kv.allocation import ALLOCATIONS
 from pipeline.kv.allocation.layer import top_entries
 from pipeline.kv.attention import register
 from pipeline.kv.cache import VarLenCache, run_chunk
-from pipeline.kv.capture import CaptureCache
 from pipeline.kv.compress import Compressor, PendingLayer
 from pipeline.kv.config import CompressionConfig, method_name
 from pipeline.kv.parts import LayerContext
 from pipeline.kv.phases import Phase
+from pipeline.kv.prefill.capture import CaptureCache
+from pipeline.kv.prefill.rules import streams
 from pipeline.kv.ranking import rank_desc
 from pipeline.kv.rope import model_rotary
 from pipeline.kv.scorers import SCORERS
@@ -57,24 +59,29 @@ def _batch(seed: int = 0):
     return ids, pos
 
 
-class _Watched(VarLenCache):
-    """Records the entries each row holds after every layer's compression."""
+class _Watch:
+    """Records the entries each row of ``cache`` holds after every layer's compression (wraps the layer
+    step of its prefill; the watch refers to the store, not to the cache)."""
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, cache: VarLenCache) -> None:
+        self.store = cache.store
         self.held: list[torch.Tensor] = []
         self.per_layer: list[list[int]] = []
         self.dense_keys: list[weakref.ref] = []
         self.outlived = 0  # earlier layers' dense K/V alive after a later layer's compression
+        step = cache.prefill.layers
+        add, step_ref = type(step).add, weakref.ref(step)  # no cycle through the step: the cache must go at once
 
-    def compress_into(self, idx, *args) -> None:
-        self.dense_keys.append(weakref.ref(args[2]))  # (module, observed, key, value, key_pos, scaling)
-        super().compress_into(idx, *args)
-        # earlier layers' attention calls have returned: nothing may hold their dense K/V (no cycles: refcounts)
-        self.outlived += sum(ref() is not None for ref in self.dense_keys[:-1])
-        stored = [layer for layer in self.store if layer is not None]
-        self.held.append(sum(layer.entries_per_row() for layer in stored))
-        self.per_layer.append([int(layer.entries_per_row().sum()) for layer in stored])
+        def watched_add(idx, *args) -> None:
+            self.dense_keys.append(weakref.ref(args[2]))  # (module, observed, key, value, key_pos, scaling)
+            add(step_ref(), idx, *args)
+            # earlier layers' attention calls have returned: nothing may hold their dense K/V (no cycles: refcounts)
+            self.outlived += sum(ref() is not None for ref in self.dense_keys[:-1])
+            stored = [layer for layer in self.store if layer is not None]
+            self.held.append(sum(layer.entries_per_row() for layer in stored))
+            self.per_layer.append([int(layer.entries_per_row().sum()) for layer in stored])
+
+        step.add = watched_add
 
 
 def test_the_streaming_methods_are_the_cross_layer_ones_with_a_per_layer_scorer():
@@ -82,13 +89,13 @@ def test_the_streaming_methods_are_the_cross_layer_ones_with_a_per_layer_scorer(
     assert not any("kvzip" in m for m in STREAMING)
     model = tiny_model("llama", layers=LAYERS)
     for method in STREAMING:
-        assert _compressor(model, method, 0.2).streams_across_layers, method
+        assert streams(_compressor(model, method, 0.2).config), method
     idle = VarLenCache(LAYERS, _compressor(model, "criticalkv-layer-kvzap", 0.2))  # as rows regrouped for decoding
     gone = weakref.ref(idle)
     del idle  # it holds no streaming state, so no cycle through it: refcounting frees it at once
     assert gone() is None
     capped = CompressionConfig(method="layer-snapkv", cache_size=0.2, window=2, max_cache_tokens=12)
-    assert not Compressor(capped).streams_across_layers  # the decode-time cap starts from one selection
+    assert not streams(capped)  # the decode-time cap starts from one selection
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -104,10 +111,11 @@ def test_streamed_keeps_what_the_dense_cache_keeps(arch, method, cache_size):
     dense = compressor.compress_model(
         [PendingLayer(c.module, c.key, c.value, c.key_pos, c.scaling, c.observed[0]) for c in capture.captured]
     )
-    cache = _Watched(LAYERS, compressor)
+    cache = VarLenCache(LAYERS, compressor)
+    watch = _Watch(cache)
     with torch.no_grad():  # as the engine runs (autograd would keep the dense K/V in its graph)
         run_chunk(model, cache, ids, pos)
-    assert all(p is None for p in cache.pending) and cache.streamed is None
+    assert cache.prefill is None  # the prefill's state (its scores, its reference back) is gone
     heads = model.config.num_key_value_heads
     for layer, selection in enumerate(dense):
         for b in range(2):
@@ -116,15 +124,15 @@ def test_streamed_keeps_what_the_dense_cache_keeps(arch, method, cache_size):
                 assert cache.kept_positions(layer, b, h).tolist() == sorted(want), (layer, b, h)
     lengths = (pos >= 0).sum(-1)
     pool = torch.round(lengths.double() * cache_size).long() * LAYERS * heads
-    slack = heads * lengths  # one layer's entries: earlier layers shrink in batches (pipeline.kv.streamed)
-    assert all(bool((held <= pool + slack).all()) for held in cache.held)
-    assert bool((cache.held[-1] <= pool).all())
-    assert torch.equal(cache.held[-1], cache.context_entries)
+    slack = heads * lengths  # one layer's entries: earlier layers shrink in batches (streamed_budgets)
+    assert all(bool((held <= pool + slack).all()) for held in watch.held)
+    assert bool((watch.held[-1] <= pool).all())
+    assert torch.equal(watch.held[-1], cache.context_entries)
     shrank = any(
-        after < before for prev, cur in zip(cache.per_layer, cache.per_layer[1:]) for before, after in zip(prev, cur)
+        after < before for prev, cur in zip(watch.per_layer, watch.per_layer[1:]) for before, after in zip(prev, cur)
     )
     assert shrank, "no earlier layer shrank: the test does not exercise the streaming"
-    assert cache.outlived == 0, "a layer's dense K/V outlived its layer"
+    assert watch.outlived == 0, "a layer's dense K/V outlived its layer"
     gone = weakref.ref(cache)
     del cache  # no reference cycle left: refcounting alone frees the cache (and its store) at once
     assert gone() is None

@@ -4,7 +4,7 @@ budget, arXiv 2505.23416): one top-k over the base scores of every layer and KV 
 ``L * H_kv * b`` per row; observation-window entries score +inf and always win. No floor per layer
 or head (as published). The final counts need every layer's scores. With a scorer that scores each
 layer in its own attention and a nested selection the cache compresses each layer to its count among
-the layers so far and shrinks the earlier ones as later layers come (:mod:`pipeline.kv.streamed`):
+the layers so far and shrinks the earlier ones as later layers come (:mod:`pipeline.kv.prefill.streamed_budgets`):
 the same kept entries, holding the final cache's entries plus one layer's dense K/V. Otherwise
 (KVzip's passes, the decode-time cap) the dense cache is held until the prefill ends.
 """

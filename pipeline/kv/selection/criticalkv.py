@@ -10,7 +10,7 @@ window)`` entries by base score s (window included, as it scores +inf); stage 2 
 
 Exact L1 at lower cost: only stage-2 candidates that can reach stage 2's top k need m_i.
 Where every candidate's norm is already known (``known``, e.g. a layer shrinking to a smaller count,
-:mod:`pipeline.kv.streamed`) the top k is taken from them directly. Otherwise candidates are visited
+:mod:`pipeline.kv.prefill.streamed_budgets`) the top k is taken from them directly. Otherwise candidates are visited
 in decreasing order of ``(s_i + eps) * bound_i`` (the Jensen bound of
 :func:`~pipeline.kv.value_norms.l1_upper_bounds`); exact norms are computed for the first ~1.25 k of
 them, then for any remaining candidate whose bound still reaches the k-th best exact criticality.
@@ -57,7 +57,7 @@ def criticality_topk(
     scores: (B, H, n) finite on candidates; value: (B, H, n, D); candidates: (B, H, n) bool;
     k: (B, H) long; known: (B, H, n) L1 norms already computed (NaN where not), not computed again;
     proj: the layer's W_O slices, or a callable giving them, called only when a norm must be computed
-    (a shrink whose every norm is known needs none, :mod:`pipeline.kv.streamed`).
+    (a shrink whose every norm is known needs none, :mod:`pipeline.kv.prefill.streamed_budgets`).
     Returns (chosen (B, H, n) bool, norms (B, H, n) float32, NaN where m was not computed). Ties go
     to the earlier position (deterministic, the same at any padding).
     """

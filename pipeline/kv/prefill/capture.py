@@ -4,7 +4,9 @@ Prefill attention does not depend on the method, so a sweep prefills each batch 
 :class:`CaptureCache`, which keeps every layer's dense K/V and, per setting, what that setting's
 scorer observes of the queries (:meth:`Compressor.observe`). :meth:`CaptureCache.compressed`
 then builds the :class:`~pipeline.kv.cache.VarLenCache` a setting would have built during that
-prefill (the test suite checks the kept sets equal separate runs). Memory: the dense cache of
+prefill, handing each captured layer to the layer step of that cache's one-pass prefill
+(:mod:`.layers`; the test suite checks the kept sets equal separate runs). A chunked setting cannot
+be built from it (:func:`.rules.shares_capture`). Memory: the dense cache of
 every layer is held until the sweep's batch ends (reported as the sweep's peak).
 """
 
@@ -14,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import dense_prefill_attention
-from .cache import ChunkCache, VarLenCache
-from .compress import Compressor, PendingLayer
-from .varlen_kernels import KernelChoice
+from ..attention import dense_prefill_attention
+from ..cache import ChunkCache, VarLenCache
+from ..compress import Compressor, PendingLayer
+from ..varlen_kernels import KernelChoice
 
 
 @dataclass
@@ -66,17 +68,18 @@ class CaptureCache(ChunkCache):
         reconstruction scores for a scorer that needs them)."""
         compressor = self.compressors[index]
         cache = VarLenCache(self.num_layers, compressor, self.kernels)
+        prefill = cache.prefill  # a one-pass prefill, fed the captured layers instead of a forward
         for idx, layer in enumerate(self.captured):
             if layer is None:
                 raise RuntimeError(f"layer {idx} was not captured (run the prefill first)")
             cache.chunk_pos = layer.key_pos
-            cache.compress_into(
+            prefill.layers.add(
                 idx, layer.module, layer.observed[index], layer.key, layer.value, layer.key_pos, layer.scaling
             )
-        if cache.awaiting_reconstruction:
+        if prefill.awaiting_passes is not None:
             if observed is None:
                 raise ValueError(f"{compressor.config.method}: reconstruction scores are needed (observed=)")
-            cache.finish_compression(observed)
+            prefill.finish(observed)
         return cache
 
     def pending_layers(self) -> list[PendingLayer]:

@@ -10,7 +10,7 @@ Per chunk k (positions [k*C, (k+1)*C) of every row; rows that already ended are 
    :func:`~pipeline.kv.varlen_kernels.segmentwise_chunk_attention`). The scorer scores the
    chunk's own entries from the chunk alone (``observe`` on its queries / hidden states, ``score``
    with no observation window): the entries' *raw* scores, -inf on padding, +inf on sinks;
-2. after the whole chunk (every layer), :meth:`ChunkedCompression.compress` selects, per layer, from
+2. after the whole chunk (every layer), :meth:`ChunkEviction.after_forward` selects, per layer, from
    the union of the held entries (with the raw scores they were kept with) and the chunk's entries,
    with the method's own allocation and selection (the most recent ``window`` tokens are +inf, always
    kept) at the budget ``chunk_budget`` names:
@@ -40,17 +40,19 @@ cap. One chunk as long as the context keeps exactly the entries of the unchunked
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .attention import dense_prefill_attention
-from .phases import Phase
-from .store import VarLenLayer
-from .varlen_kernels import segmentwise_chunk_attention
-
-if TYPE_CHECKING:  # annotations only: the cache imports this module
-    from .cache import VarLenCache
+from ..allocation import row_budgets
+from ..attention import dense_prefill_attention
+from ..compress import Compressor, PendingLayer
+from ..parts import LayerContext
+from ..phases import Phase
+from ..scorers.common import window_mask
+from ..store import VarLenLayer
+from ..timing import BlockTimer
+from ..varlen_kernels import segmentwise_chunk_attention
+from .base import PrefillStrategy, PrefillTarget
+from .held import kept_in_order, select_from_held
 
 # attention weights (query heads x queries x entries) per call over one segment's held entries and the
 # chunk: 64 MiB in fp32 where a kernel materialises them (the fused CPU and CUDA kernels do not)
@@ -75,14 +77,6 @@ def store_from_segments(
     return VarLenLayer(keys, values, kept_positions, start, length, length.clone(), rows, heads)
 
 
-def kept_in_order(values: torch.Tensor, keep: torch.Tensor, fill: str = "-inf") -> torch.Tensor:
-    """(S, L) values of the kept slots moved to the front of each segment, in slot order, ``fill`` after."""
-    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
-    width = max(int(keep.sum(-1).max()) if keep.numel() else 0, 1)
-    moved = torch.gather(values, 1, order[:, :width])
-    return moved.masked_fill(~torch.gather(keep, 1, order[:, :width]), float(fill))
-
-
 def held_then_chunk(held: torch.Tensor, held_count: torch.Tensor, chunk: torch.Tensor, width: int, fill: str):
     """(S, width): each segment's first ``held_count`` values of ``held`` (S, W), then its chunk's T
     values (S, T) right after them (where the store appended the chunk), ``fill`` elsewhere."""
@@ -96,13 +90,65 @@ def held_then_chunk(held: torch.Tensor, held_count: torch.Tensor, chunk: torch.T
     return out.scatter_(1, target, chunk)
 
 
-class ChunkedCompression:
-    """The state of one chunked prefill over ``cache`` (see the module docstring)."""
+def raw_scores(compressor: Compressor, idx, module, observed, key, value, key_pos, scaling, context_lengths):
+    """Base scores of one prefill chunk's entries, (B, H_kv, T): as the scorer scores the chunk, except
+    that the chunk's window entries get the score they have without a window (the running window is
+    applied to the union in :func:`union_budgets`). context_lengths: (B,) each row's whole context."""
+    layer = PendingLayer(module, key, value, key_pos, scaling, observed)
+    ctx, with_window = compressor.score_layer(idx, layer, context_lengths)  # as the unchunked prefill scores it
+    in_window = window_mask(key_pos, ctx.row_window)[:, None, :]
+    ctx.row_window = torch.zeros_like(ctx.row_window)
+    bare = compressor.scorer.score(ctx, compressor.scorer_options)  # the window's own entries, once they leave it
+    return torch.where(in_window, bare, with_window)
 
-    def __init__(self, cache: VarLenCache, timer, lengths: torch.Tensor) -> None:
-        self.cache, self.timer = cache, timer  # timer(device): a context manager with .seconds after it
-        self.lengths = lengths  # (B,) each row's whole context: the final budget's length
-        layers = cache.num_layers
+
+def union_budgets(
+    compressor: Compressor, positions, unions, seen: torch.Tensor, lengths: torch.Tensor, layers: list[int]
+) -> tuple[list, list, torch.Tensor]:
+    """Per-head counts of every layer after a prefill chunk.
+
+    positions: per layer (S, L) original positions of the candidates (S = B * H_kv; -1: none);
+    unions: per layer (S, L) raw scores; seen: (B,) tokens of each row so far (the most recent
+    ``window`` of them are always kept); lengths: (B,) each row's whole context. The allocation
+    splits the budget of ``lengths`` (``chunk_budget`` final) or of ``seen`` (running); no head
+    keeps more than its candidates. layers: the layer indices (every layer for a cross-layer
+    allocation). Returns (scores (B, H_kv, L) with the window at +inf, per layer; counts
+    (B, H_kv) per layer; row windows (B,)).
+    """
+    cfg = compressor.config
+    bsz = seen.shape[0]
+    row_b, row_w = row_budgets(seen, cfg.cache_size, cfg.budget, cfg.window)
+    budget_of = seen
+    if cfg.chunk_budget == "final":
+        budget_of = lengths.to(seen.device)
+        row_b, _ = row_budgets(budget_of, cfg.cache_size, cfg.budget, cfg.window)
+    scores, contexts = [], []
+    for idx, pos, union in zip(layers, positions, unions):
+        pos = pos.view(bsz, -1, pos.shape[-1])
+        recent = (pos >= (seen - row_w)[:, None, None]) & (pos >= 0)
+        scores.append(union.view(pos.shape).masked_fill(recent, float("inf")))
+        priors, kvzap = compressor.head_priors, compressor.kvzap
+        contexts.append(LayerContext(idx, None, None, pos, 1.0, budget_of, row_b, row_w, None, None, priors, kvzap))
+    allocation, opts = compressor.allocation, compressor.allocation_options
+    if compressor.phase is Phase.PREFILL:  # across layers, which hold different numbers of candidates: one width
+        width = max(sc.shape[-1] for sc in scores)
+        padded = [torch.nn.functional.pad(sc, (0, width - sc.shape[-1]), value=float("-inf")) for sc in scores]
+        budgets = allocation.model_head_budgets(padded, contexts, opts)
+    else:  # an allocation reads scores, budgets, lengths and priors, never K/V
+        budgets = [allocation.head_budgets(sc, ctx, opts) for sc, ctx in zip(scores, contexts)]
+    held = [(ctx.key_pos >= 0).sum(-1) for ctx in contexts]  # (B, H_kv) candidates of each head
+    return scores, [torch.minimum(b.to(h.device), h) for b, h in zip(budgets, held)], row_w
+
+
+class ChunkEviction(PrefillStrategy):
+    """The state of one chunked prefill over ``target`` of contexts of ``lengths`` (B,) tokens (see the
+    module docstring); the driver calls :meth:`after_forward` after each chunk's forward and
+    :meth:`finish` after the last."""
+
+    def __init__(self, target: PrefillTarget, lengths: torch.Tensor) -> None:
+        super().__init__(target)
+        self.lengths = lengths.to(torch.long)  # (B,) each row's whole context: the final budget's length
+        layers = target.num_layers
         self.held_scores: list[torch.Tensor | None] = [None] * layers  # (S, W) raw scores of held entries
         # (S, W) their projected value norms where the selection computed them (NaN elsewhere), or None:
         # a value's norm does not change, so no later chunk computes it again
@@ -112,7 +158,7 @@ class ChunkedCompression:
         self.modules: list[torch.nn.Module | None] = [None] * layers
         # a per-layer allocation decides each layer right after its attention (only that layer's chunk
         # K/V wait); a cross-layer one waits for the chunk's end (every layer's chunk K/V wait)
-        self.cross_layer = cache.compressor.phase is Phase.PREFILL
+        self.cross_layer = target.compressor.phase is Phase.PREFILL
         self.seen: torch.Tensor | None = None  # (B,) tokens of each row up to the end of the current chunk
 
     def attend(self, idx: int, module, query, key, value, scaling: float) -> torch.Tensor:
@@ -120,31 +166,31 @@ class ChunkedCompression:
         the layer compressed at once unless the allocation is cross-layer."""
         out = self._attention(idx, module, query, key, value, scaling)
         if not self.cross_layer:
-            with self.timer(query.device) as timer:
+            with BlockTimer(query.device) as timer:
                 self._compress_layers([idx], self._seen_after_chunk())
-            self.cache.compress_seconds += timer.seconds
+            self.target.compress_seconds += timer.seconds
         return out
 
     def _seen_after_chunk(self) -> torch.Tensor:
         """(B,) each row's tokens up to the end of the current chunk (rows without tokens in it: as before)."""
-        pos = self.cache.chunk_pos
+        pos = self.target.chunk_pos
         last = pos.max(-1).values + 1
         if self.seen is None:
             return last.clamp(min=0)
         return torch.where(last > 0, last, self.seen)
 
     def _attention(self, idx: int, module, query, key, value, scaling: float) -> torch.Tensor:
-        cache, compressor = self.cache, self.cache.compressor
-        pos = cache.chunk_pos
-        observed = compressor.observe(query, pos, idx, cache.hidden_states.pop(idx, None))
-        self.chunk_scores[idx] = compressor.raw_scores(idx, module, observed, key, value, pos, scaling, self.lengths)
+        target, compressor = self.target, self.target.compressor
+        pos = target.chunk_pos
+        observed = compressor.observe(query, pos, idx, target.hidden_states.pop(idx, None))
+        self.chunk_scores[idx] = raw_scores(compressor, idx, module, observed, key, value, pos, scaling, self.lengths)
         self.modules[idx] = module
-        if cache.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compression
+        if target.store[idx] is None:  # the first chunk: nothing held yet, the layer's K/V wait for compression
             self.first_chunk[idx] = (key, value, pos)
             return dense_prefill_attention(query, key, value, pos, scaling)
         # update() appended the chunk to every segment of the store: one masked SDPA per segment over its
         # own entries, read in place (the decode kernels are built for a few queries; a chunk has hundreds)
-        return segmentwise_chunk_attention(query, cache.store[idx], cache.query_pos, scaling, WEIGHTS_PER_CALL)
+        return segmentwise_chunk_attention(query, target.store[idx], target.query_pos, scaling, WEIGHTS_PER_CALL)
 
     def _candidates(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The layer's candidates' positions (S, L) (-1: none), raw scores (S, L) and the projected value
@@ -156,7 +202,7 @@ class ChunkedCompression:
             pos = self.first_chunk[idx][2]
             positions = pos[:, None, :].expand(bsz, heads, t).reshape(bsz * heads, t)
             return positions, chunk.reshape(bsz * heads, t).masked_fill(positions < 0, float("-inf")), None
-        layer = self.cache.store[idx]
+        layer = self.target.store[idx]
         index, live = layer.padded_index()
         positions = torch.index_select(layer.positions, 0, index.reshape(-1)).view(index.shape).long()
         positions = positions.masked_fill(~live, -1)
@@ -176,33 +222,48 @@ class ChunkedCompression:
         if idx in self.first_chunk:
             key, value, _ = self.first_chunk.pop(idx)
             return key.reshape(-1, key.shape[2], key.shape[3]), value.reshape(-1, value.shape[2], value.shape[3])
-        layer, self.cache.store[idx] = self.cache.store[idx], None
+        layer, self.target.store[idx] = self.target.store[idx], None
         keys, values, _ = layer.padded_view(release=True)  # a gathered copy: one old buffer less at the peak
         return keys, values
 
-    def compress(self, seen: torch.Tensor) -> None:
+    def update(self, idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the first chunk the chunk's K/V are appended to every segment of the layer's store
+        (exactly this chunk's slots, for this layer only: no slack); the attention reads them there."""
+        layer = self.target.store[idx]
+        if layer is not None:
+            layer.reserve(key.shape[2])
+            layer.append(key, value, self.target.chunk_pos, has_padding=self.target.chunk_padding)
+        return key, value
+
+    def after_forward(self, seen: torch.Tensor) -> None:
         """After a chunk's forward (``seen``: (B,) tokens of each row so far): a cross-layer allocation
-        selects every layer's kept entries now (per-layer ones did in :meth:`attend`)."""
-        if self.cross_layer:
-            self._compress_layers(list(range(self.cache.num_layers)), seen)
-        self.seen = seen
+        selects every layer's kept entries now (timed; per-layer ones did in :meth:`attend`)."""
+        with BlockTimer(seen.device) as timer:
+            if self.cross_layer:
+                self._compress_layers(list(range(self.target.num_layers)), seen)
+            self.seen = seen
+        self.target.compress_seconds += timer.seconds
+
+    def finish(self, observed: list | None = None) -> None:
+        """After the last chunk: the context is compressed."""
+        self.target.end_prefill()
 
     def _compress_layers(self, layers: list[int], seen: torch.Tensor) -> None:
         """Select the kept entries of ``layers`` from held + chunk at the running budget; each store
         becomes exactly its kept entries. Budgets are decided from the layers' scores first; then one
         layer's candidate K/V exist at a time."""
-        compressor = self.cache.compressor
+        compressor = self.target.compressor
         bsz, heads = self.chunk_scores[layers[0]].shape[:2]
         positions, unions, known = zip(*(self._candidates(idx) for idx in layers))
-        scores, budgets, row_window = compressor.union_budgets(positions, unions, seen, self.lengths, layers)
+        scores, budgets, row_window = union_budgets(compressor, positions, unions, seen, self.lengths, layers)
         for j, idx in enumerate(layers):
             sources = list(self._keys_values(idx))  # [keys, values]: emptied by store_from_segments
             module = self.modules[idx]
-            keep, norms = compressor.union_select(
-                idx, module, scores[j], budgets[j], *sources, seen, row_window, known[j]
+            keep, norms = select_from_held(
+                compressor, idx, module, scores[j], budgets[j], *sources, seen, row_window, known[j]
             )
             keep = keep.reshape(positions[j].shape) & (positions[j] >= 0)
-            self.cache.store[idx] = store_from_segments(sources, positions[j], keep, bsz, heads)
+            self.target.store[idx] = store_from_segments(sources, positions[j], keep, bsz, heads)
             self.held_scores[idx] = kept_in_order(unions[j], keep)
             self.held_norms[idx] = None if norms is None else kept_in_order(norms.reshape(keep.shape), keep, "nan")
             self.chunk_scores[idx] = None
