@@ -11,9 +11,9 @@ the functions that make up each phase (a phase's calls do not nest in another's)
 - prefill: the shared context prefill (``ModelDecoder.prefill``);
 - KVzip passes: the reconstruction passes, once per document (``SweepBatch._reconstructions``);
 - compression: every setting's cache built from the captured dense K/V (``CaptureCache.compressed``);
-- question prefill: each decode group's first questions over its caches (``ContinuousBatch._open_together``);
+- question prefill: each decode group's first questions over its caches (``Admission.open_together``);
 - decode steps: greedy steps of the active rows (``ContinuousBatch._step``);
-- answer fidelity: the reference answers' likelihood under each cache (``ContinuousBatch._measure_fidelity``).
+- answer fidelity: the reference answers' likelihood under each cache (``FidelityMeter.measure``).
 
 Prints a Markdown table of seconds and shares of the wall time.
 """
@@ -37,9 +37,9 @@ PHASES = {  # phase: (file suffix, function name)
     "prefill": ("pipeline/engine/prefill.py", "run"),
     "KVzip passes": ("pipeline/engine/sweep.py", "_reconstructions"),
     "compression": ("pipeline/kv/prefill/capture.py", "compressed"),
-    "question prefill": ("pipeline/engine/continuous.py", "_open_together"),
+    "question prefill": ("pipeline/engine/admission.py", "open_together"),
     "decode steps": ("pipeline/engine/continuous.py", "_step"),
-    "answer fidelity": ("pipeline/engine/continuous.py", "_measure_fidelity"),
+    "answer fidelity": ("pipeline/engine/fidelity.py", "measure"),
 }
 
 

@@ -62,7 +62,7 @@ def documents(tokenizer, count: int, length: int, question: str = INSTRUCTION) -
 def full_cache_bytes(engine: Engine, requests: list[Request]) -> int:
     """Bytes the largest document's full cache takes in our layout, room for its question and answer
     included (what the continuous batch reserves for it; transformers' cache needs about as much)."""
-    source = DocumentSource(engine, engine.compressor)
+    source = DocumentSource(engine.runner, engine.compressor)
     return max(source.estimate(0, row) for request in requests for row in engine._rows_for(request))
 
 

@@ -1,5 +1,6 @@
 """The one decode loop: rows decoded together within a KV memory budget, each leaving as its answer
-ends and waiting rows joining as memory frees.
+ends and waiting rows joining as memory frees (admission: :mod:`.admission`; answer fidelity:
+:class:`~.fidelity.FidelityMeter`).
 
 Compression frees memory; decoding more documents at once is what turns it into throughput (a decode
 step reads the weights once whatever the batch). Every decode goes through this loop: the jobs'
@@ -37,32 +38,30 @@ import torch
 
 from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
-from ..kv.rows import layer_lengths, regroup, take_rows
-from ..kv.store import VarLenLayer
+from ..kv.rows import regroup, take_rows
+from .admission import Admission
 from .answers import ContextCost, make_answers
-from .batching import Row, left_pad
+from .batching import Row
 from .decoding import RoundResult
-from .fidelity import continuation_nll
+from .fidelity import FidelityMeter, References
 from .memory import PeakMemory, now
-from .sequences import DocumentSource, Opened, Sequence
+from .runner import ModelRunner
+from .sequences import DocumentSource, Sequence
 from .types import Answer
 
 logger = logging.getLogger(__name__)
-
-# answers whose fidelity is measured together at most (their rows are held as copies until then)
-FIDELITY_ROWS = 32
-References = dict[int, list[list[int]]]  # row index -> per question round, the reference answer's tokens
 
 
 class ContinuousBatch:
     """Rows through the decode loop (see the module docstring). ``source`` gives each row its
     compressed context (default: its own prefill with ``compressor``); ``compressor`` also decides
     the batch cache's decode-time behaviour (its cap). ``fidelity``: measure each answer's NLL of
-    ``references`` (row index -> [round] tokens), or with ``references=None`` of its own answer."""
+    ``references`` (row index -> [round] tokens), or with ``references=None`` of its own answer
+    (:class:`~.fidelity.FidelityMeter`)."""
 
     def __init__(
         self,
-        engine,
+        runner: ModelRunner,
         compressor: Compressor,
         budget_bytes: float,
         source=None,
@@ -70,26 +69,26 @@ class ContinuousBatch:
         references: References | None = None,
         on_done: Callable[[int, list[Answer]], None] | None = None,
     ) -> None:
-        self.engine, self.compressor, self.budget = engine, compressor, budget_bytes
+        self.runner, self.compressor = runner, compressor
         self.on_done = None if fidelity else on_done  # fidelity holds answers until measured together
         self.meter: PeakMemory | None = None
-        self.source = source or DocumentSource(engine, compressor)
-        self.fidelity, self.references = fidelity, references
-        self.decoder = engine.decoder
+        self.source = source or DocumentSource(runner, compressor)
+        self.fidelity = FidelityMeter(runner, compressor, references) if fidelity else None
+        self.decoder = runner.decoder
         self.capped = compressor.config.max_cache_tokens is not None
         self.done: dict[int, Sequence] = {}
         self.failed: dict[int, Exception] = {}
+        self.admission = Admission(runner, self.source, compressor, budget_bytes, fidelity, self.failed)
         self.largest_batch = 0  # rows decoded together at most (diagnostics, tests)
         self.largest_bytes = 0  # the batch's cache at most, in bytes
         self.steps = self.row_steps = 0  # decode steps, and rows decoded summed over them (occupancy)
-        self.held: list[tuple] = []  # answers waiting for their fidelity (:meth:`_hold_for_fidelity`)
 
     @torch.inference_mode()
     def run(self, rows: list[Row]) -> list[list[Answer] | Exception]:
         """Per row: its answers (question order), or the exception that stopped it. ``on_done(i,
         answers)`` (when given) hears each answered row's answers as it leaves the loop, its peak
         memory the call's so far."""
-        self.meter = meter = PeakMemory(self.engine.device)
+        self.meter = meter = PeakMemory(self.runner.device)
         with meter:
             self.decode(rows)
         return [
@@ -101,7 +100,7 @@ class ContinuousBatch:
         entries, kept_bytes, context_s, compress_s = seq.cost
         cost = ContextCost([entries], [kept_bytes], context_s, compress_s, peak_bytes)
         per_round = [[result] for result in seq.results]
-        return make_answers([seq.row], [seq.ctx_len], per_round, cost, self.engine.shape)
+        return make_answers([seq.row], [seq.ctx_len], per_round, cost, self.runner.shape)
 
     @torch.inference_mode()
     def decode(self, rows: list[Row]) -> None:
@@ -117,15 +116,15 @@ class ContinuousBatch:
 
     def _loop(self, rows: list[Row]) -> None:
         waiting: deque[int] = deque(range(len(rows)))
-        cache = self.engine.new_cache(self.compressor, compressed=True)
+        cache = self.runner.new_cache(self.compressor, compressed=True)
         active: list[Sequence] = []
         joining: list[tuple[list[Sequence], VarLenCache]] = []  # rows and the cache that holds them
         ready: list[tuple[Sequence, VarLenCache]] = []  # opened, waiting for room (one at most)
         while waiting or ready or active or joining:
             if self.source.together:
-                joining += self._open_together(rows, waiting)
+                joining += self.admission.open_together(rows, waiting)
             else:
-                self._admit(rows, waiting, ready, active, joining)
+                self.admission.admit(rows, waiting, ready, active, joining)
             if joining:
                 regroup(cache, list(range(len(active))), [one for _, one in joining])
                 active += [seq for seqs, _ in joining for seq in seqs]
@@ -141,10 +140,11 @@ class ContinuousBatch:
                 if keep:
                     regroup(cache, keep, [])
                 else:
-                    cache = self.engine.new_cache(self.compressor, compressed=True)
+                    cache = self.runner.new_cache(self.compressor, compressed=True)
             if active:
                 self._step(cache, active)
-        self._measure_fidelity()
+        if self.fidelity is not None:
+            self.fidelity.measure()
 
     def _leave(self, cache: VarLenCache, active: list[Sequence], ended: list[int]) -> list:
         """Record the answers of rows ``ended`` (their fidelity too); returns those with another
@@ -152,8 +152,8 @@ class ContinuousBatch:
         sizes = cache.bytes_per_row().tolist(), cache.used_bytes_per_row().tolist()
         for j in ended:
             self._finish(sizes, j, active[j])
-            if self.fidelity:
-                self._hold_for_fidelity(cache, j, active[j])
+            if self.fidelity is not None:
+                self.fidelity.hold(cache, j, active[j])
         again = []
         for j in ended:
             seq = active[j]
@@ -164,109 +164,6 @@ class ContinuousBatch:
                 if self.on_done is not None:
                     self.on_done(seq.index, self._answers(seq, self.meter.so_far()))
         return again
-
-    def _admit(self, rows, waiting: deque, ready: list, active: list, joining: list) -> None:
-        """Open waiting rows and let them join while their footprints fit the budget."""
-        used = sum(seq.footprint for seq in active) + sum(seq.footprint for seqs, _ in joining for seq in seqs)
-        while waiting or ready:
-            if not ready:
-                index = waiting[0]
-                if (active or joining) and used + self.source.estimate(index, rows[index]) > self.budget:
-                    return
-                waiting.popleft()
-                try:
-                    ready.append(self._open(index, rows[index]))
-                except Exception as exc:  # this row alone fails
-                    self.engine._release_memory()
-                    self.failed[index] = exc
-                    continue
-            seq, one = ready[0]
-            if active or joining:
-                if used + seq.footprint > self.budget:
-                    return
-            elif seq.footprint > self.budget:
-                logger.warning(
-                    "doc %r needs %.1f MiB of KV cache, more than kv_memory (%.1f MiB): it decodes alone",
-                    seq.row.request.doc_id,
-                    seq.footprint / 2**20,
-                    self.budget / 2**20,
-                )
-            seq, one = ready.pop()
-            joining.append(([seq], one))
-            used += seq.footprint
-
-    def _open(self, index: int, row: Row) -> tuple[Sequence, VarLenCache]:
-        """The row's compressed context from its source, then its first question."""
-        seq, one = self._start(index, row)
-        self._ask(seq, one)
-        return seq, one
-
-    def _start(self, index: int, row: Row) -> tuple[Sequence, VarLenCache]:
-        """The row's compressed context from its source (its first question not asked yet)."""
-        opened: Opened = self.source.open(index, row)
-        one = opened.cache
-        limit = self.engine.max_new_tokens_for(row.request)
-        seq = Sequence(index, row, opened.ctx_len, layer_lengths(one), opened.cost, limit, opened.logits)
-        if self.capped and seq.rounds > 1:
-            seq.saved_context = [layer.clone() for layer in one.store]
-        return seq, one
-
-    def _open_together(self, rows: list[Row], waiting: deque) -> list[tuple[list[Sequence], VarLenCache]]:
-        """Every waiting row of a source whose contexts exist already, their first questions prefilled
-        together (one left-padded chunk, as a batch of documents prefilled together would)."""
-        if not waiting:
-            return []
-        started = [self._start(index, rows[index]) for index in waiting]
-        waiting.clear()
-        seqs = [seq for seq, _ in started]
-        together = self.engine.new_cache(self.compressor, compressed=True)
-        regroup(together, [], [one for _, one in started])
-        questions = [s.row.prompt.question_ids[0] if s.row.prompt.question_ids else [] for s in seqs]
-        width = max(len(q) for q in questions)
-        t0 = now(self.engine.device)
-        together.reserve(width + max(s.limit for s in seqs))
-        logits = torch.stack([s.context_logits for s in seqs])
-        if width:
-            start = torch.tensor([s.ctx_len for s in seqs])
-            logits = torch.where(
-                torch.tensor([bool(q) for q in questions], device=logits.device)[:, None],
-                self.decoder.forward(together, *left_pad(questions, start, self.decoder.pad_id, self.engine.device)),
-                logits,
-            )
-        seconds = now(self.engine.device) - t0
-        marks = layer_lengths(together)
-        heads, footprints = self.engine.shape.num_kv_heads, together.bytes_per_row().tolist()
-        for k, (seq, q_ids) in enumerate(zip(seqs, questions)):
-            self._asked(seq, logits[k], len(q_ids), seconds, footprints[k])
-            if self.fidelity and self.capped:  # the row at its question's end: a copy under a cap ...
-                seq.asked = [take_rows(layer, [k]) for layer in together.store]
-            elif self.fidelity:  # ... else its segment lengths
-                seq.asked = [m[k * heads : (k + 1) * heads] for m in marks]
-        return [(seqs, together)]
-
-    def _ask(self, seq: Sequence, one: VarLenCache) -> None:
-        """Prefill question ``seq.round`` into the row's own cache, room reserved for its answer."""
-        questions = seq.row.prompt.question_ids
-        q_ids = questions[min(seq.round, len(questions) - 1)]
-        t0 = now(self.engine.device)
-        one.reserve(len(q_ids) + seq.limit)
-        logits = seq.context_logits
-        if q_ids:
-            ids = torch.tensor([q_ids], dtype=torch.long, device=self.engine.device)
-            pos = (seq.ctx_len + torch.arange(len(q_ids), device=self.engine.device))[None]
-            logits = self.decoder.forward(one, ids, pos)[0]
-        self._asked(seq, logits, len(q_ids), now(self.engine.device) - t0, int(one.bytes_per_row()[0]))
-        if self.fidelity:
-            seq.asked = [layer.clone() for layer in one.store] if self.capped else layer_lengths(one)
-
-    def _asked(self, seq: Sequence, logits: torch.Tensor, question_tokens: int, seconds: float, row_bytes: int) -> None:
-        """Start the row's answer after its question (``logits``: (V,) predicting its first token;
-        ``row_bytes``: its rows of the cache); its footprint counts a saved context copy too."""
-        seq.question_s = seconds
-        seq.footprint = row_bytes + sum(layer.nbytes() for layer in seq.saved_context or [])
-        seq.logits, seq.question_logits = logits, logits
-        seq.next_pos, seq.question_tokens = seq.ctx_len + question_tokens, question_tokens
-        seq.tokens, seq.stop_id, seq.decode_s, seq.steps, seq.row_steps = [], None, 0.0, 0, 0
 
     def _choose(self, active: list[Sequence]) -> list[int]:
         """Each row's greedy token; returns the indices of rows whose answer ended."""
@@ -305,34 +202,6 @@ class ContinuousBatch:
         )
         seq.round += 1
 
-    def _hold_for_fidelity(self, cache: VarLenCache, j: int, seq: Sequence) -> None:
-        """Keep a copy of row ``j`` at its question's end, with the answer just recorded, until its
-        fidelity is measured (with other rows', :meth:`_measure_fidelity`)."""
-        if self.capped:
-            layers = seq.asked
-        else:
-            layers = [take_rows(layer, [j], mark) for layer, mark in zip(cache.store, seq.asked)]
-        target = seq.results[-1].reference_tokens
-        if self.references is not None:
-            target = self.references[seq.index][seq.round - 1]
-        self.held.append((seq.results[-1], layers, target, seq.question_logits, seq.ctx_len + seq.question_tokens))
-        if len(self.held) >= FIDELITY_ROWS:
-            self._measure_fidelity()
-
-    def _measure_fidelity(self) -> None:
-        """Each held answer's ``answer_nll``: its target teacher-forced after its question, on the held
-        rows together (:func:`~pipeline.engine.fidelity.continuation_nll`)."""
-        if not self.held:
-            return
-        results, rows, targets, first, start = zip(*self.held)
-        self.held = []
-        layers = [VarLenLayer.concat([row[idx] for row in rows]) for idx in range(len(rows[0]))]
-        probe = VarLenCache.from_layers(layers, self.compressor, self.engine.kernels)
-        start = torch.tensor(start, device=self.engine.device)
-        nll = continuation_nll(self.engine.model, probe, torch.stack(first), list(targets), start, self.decoder.pad_id)
-        for result, value in zip(results, nll):
-            result.answer_nll = value
-
     def _next_round(self, cache: VarLenCache, j: int, seq: Sequence) -> VarLenCache:
         """Row ``j`` rolled back to its context in a cache of its own (returned), its next question prefilled."""
         if seq.saved_context is not None:  # a cap's eviction may have reordered the context: its copy
@@ -342,13 +211,13 @@ class ContinuousBatch:
                 layers = [layer.clone() for layer in seq.saved_context]
         else:
             layers = [take_rows(layer, [j], mark) for layer, mark in zip(cache.store, seq.context)]
-        one = VarLenCache.from_layers(layers, self.compressor, self.engine.kernels)
-        self._ask(seq, one)
+        one = VarLenCache.from_layers(layers, self.compressor, self.runner.kernels)
+        self.admission.ask(seq, one)
         return one
 
     def _step(self, cache: VarLenCache, active: list[Sequence]) -> None:
         """One greedy decode step of every row (each row's last chosen token)."""
-        device = self.engine.device
+        device = self.runner.device
         ids = torch.tensor([[seq.tokens[-1]] for seq in active], dtype=torch.long, device=device)
         pos = torch.tensor([[seq.next_pos] for seq in active], dtype=torch.long, device=device)
         t0 = now(device)

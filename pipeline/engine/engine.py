@@ -27,7 +27,6 @@ figures): ``ttft_s`` = context prefill (with compression) + that question's pref
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 
@@ -52,6 +51,7 @@ from .prefill import ContextPrefill
 from .priors import load_head_priors, resolve_head_priors
 from .prompts import PromptBuilder
 from .reconstruction import ContextReconstruction
+from .runner import ModelRunner
 from .sweep import SweepBatch
 from .types import Answer, Request, Setting
 
@@ -100,6 +100,16 @@ class Engine:
         self.decoder = Decoder(self.model, self.tokenizer, self.device, self.generation.end_at_sentence)
         self.reconstruction = ContextReconstruction(self.model, self.prompts, self.decoder.pad_id, self.device)
         self.context_prefill = ContextPrefill(self.decoder, self.reconstruction, loaded.layerwise_prefill)
+        self.runner = ModelRunner(
+            self.model,
+            self.decoder,
+            self.context_prefill,
+            self.reconstruction,
+            self.shape,
+            self.device,
+            self.kernels,
+            self.generation,
+        )
 
     @classmethod
     def from_config(
@@ -194,10 +204,9 @@ class Engine:
         self.prefill([self._rows_for(request)[0] for request in requests], cache)
         return cache
 
-    def new_cache(self, compressor: Compressor, compressed: bool = False) -> VarLenCache:
-        """An empty cache for this model, compressing with ``compressor``, on the engine's kernels;
-        ``compressed``: one that rows of compressed caches join (a decode batch), never prefilled."""
-        return VarLenCache(self.shape.num_layers, compressor, self.kernels, compressed)
+    def new_cache(self, compressor: Compressor) -> VarLenCache:
+        """An empty cache for this model, compressing with ``compressor``, on the engine's kernels."""
+        return self.runner.new_cache(compressor)
 
     def prefill(self, rows: list[Row], cache: ChunkCache, passes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The context prefill and compression of ``rows`` into the empty ``cache`` by the plan its config
@@ -266,10 +275,7 @@ class Engine:
             return [_error_answer(row.request, qid, exc) for _ in range(variants) for qid in qids]
 
     def _release_memory(self) -> None:
-        """Drop what a failed batch left behind (its cache is unreachable once the frame is gone)."""
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.runner.release_memory()
 
     # ------------------------------------------------------------------ one batch
     def _rows_for(self, request: Request) -> list[Row]:
@@ -283,20 +289,20 @@ class Engine:
         )
 
     def max_new_tokens_for(self, request: Request) -> int:
-        return request.max_new_tokens or self.generation.max_new_tokens
+        return self.runner.max_new_tokens_for(request)
 
     @torch.inference_mode()
     def _run_batch(self, rows: list[Row], compressor: Compressor, setting: Setting | None = None) -> list[Answer]:
         """The rows prefilled together and decoded as one batch: a sweep of one setting, without
         fidelity (:mod:`pipeline.engine.sweep`); the answers' ``setting`` is ``setting``."""
-        return SweepBatch(self, rows, [compressor], settings=[setting], fidelity=False).run()
+        return SweepBatch(self.runner, rows, [compressor], settings=[setting], fidelity=False).run()
 
     def _run_continuous(
         self, rows: list[Row], on_row: Callable[[int, list[Answer]], None] | None = None
     ) -> list[Answer]:
         """Every row through one continuous decode batch; a row it could not answer runs alone.
         ``on_row(k, answers)`` hears each row's answers as soon as they are known."""
-        batch = ContinuousBatch(self, self.compressor, self.kv_budget_bytes, on_done=on_row)
+        batch = ContinuousBatch(self.runner, self.compressor, self.kv_budget_bytes, on_done=on_row)
         results = batch.run(rows)
         self.last_continuous = batch  # its occupancy and memory figures, for callers that report them
         answers = []
@@ -311,7 +317,7 @@ class Engine:
     @torch.inference_mode()
     def _run_sweep_batch(self, rows: list[Row], compressors: list[Compressor]) -> list[Answer]:
         """Every setting from one prefill (:mod:`pipeline.engine.sweep`)."""
-        return SweepBatch(self, rows, compressors).run()
+        return SweepBatch(self.runner, rows, compressors).run()
 
 
 def _store(answers: dict, batch: list[tuple[int, Row]], results: list[Answer], variants: int) -> None:

@@ -17,7 +17,16 @@ from __future__ import annotations
 import torch
 
 from ..kv.cache import VarLenCache, run_chunk
+from ..kv.compress import Compressor
+from ..kv.rows import take_rows
+from ..kv.store import VarLenLayer
 from .batching import left_pad
+from .runner import ModelRunner
+from .sequences import Sequence
+
+# answers whose fidelity is measured together at most (their rows are held as copies until then)
+FIDELITY_ROWS = 32
+References = dict[int, list[list[int]]]  # row index -> per question round, the reference answer's tokens
 
 
 def continuation_nll(
@@ -57,3 +66,45 @@ def continuation_nll(
         nll = -torch.log_softmax(rows, dim=-1).gather(1, ids[:, None]).squeeze(1)
         out.append(float(nll.mean()))
     return out
+
+
+class FidelityMeter:
+    """The answer NLL of each answer of a decode loop (:mod:`.continuous`), measured on copies of the
+    answered rows, :data:`FIDELITY_ROWS` at a time: of ``references`` (row index -> [round] tokens), or
+    with ``references=None`` of the row's own answer. ``capped``: the rows' marks are copies (a
+    decode-time cap's eviction reorders entries), else segment lengths."""
+
+    def __init__(self, runner: ModelRunner, compressor: Compressor, references: References | None) -> None:
+        self.runner, self.compressor, self.references = runner, compressor, references
+        self.capped = compressor.config.max_cache_tokens is not None
+        self.held: list[tuple] = []  # answers waiting for their fidelity
+
+    def hold(self, cache: VarLenCache, j: int, seq: Sequence) -> None:
+        """Keep a copy of row ``j`` at its question's end, with the answer just recorded, until its
+        fidelity is measured (with other rows', :meth:`measure`)."""
+        if self.capped:
+            layers = seq.asked
+        else:
+            layers = [take_rows(layer, [j], mark) for layer, mark in zip(cache.store, seq.asked)]
+        target = seq.results[-1].reference_tokens
+        if self.references is not None:
+            target = self.references[seq.index][seq.round - 1]
+        self.held.append((seq.results[-1], layers, target, seq.question_logits, seq.ctx_len + seq.question_tokens))
+        if len(self.held) >= FIDELITY_ROWS:
+            self.measure()
+
+    def measure(self) -> None:
+        """Each held answer's ``answer_nll``: its target teacher-forced after its question, on the held
+        rows together (:func:`continuation_nll`)."""
+        if not self.held:
+            return
+        results, rows, targets, first, start = zip(*self.held)
+        self.held = []
+        layers = [VarLenLayer.concat([row[idx] for row in rows]) for idx in range(len(rows[0]))]
+        probe = VarLenCache.from_layers(layers, self.compressor, self.runner.kernels)
+        start = torch.tensor(start, device=self.runner.device)
+        nll = continuation_nll(
+            self.runner.model, probe, torch.stack(first), list(targets), start, self.runner.decoder.pad_id
+        )
+        for result, value in zip(results, nll):
+            result.answer_nll = value

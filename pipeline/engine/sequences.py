@@ -18,10 +18,11 @@ from ..kv.allocation import row_budgets
 from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
 from ..kv.rows import take_rows
-from ..kv.store import BLOCK, VarLenLayer
+from ..kv.store import BLOCK, VarLenLayer, segment_bytes
 from .batching import Row
 from .decoding import RoundResult
 from .memory import now
+from .runner import ModelRunner
 
 # kept entries, kept bytes, context prefill + compression seconds, compression seconds
 Cost = tuple[int, int, float, float]
@@ -76,34 +77,34 @@ class DocumentSource:
 
     together = False  # rows open one by one, as the budget admits them
 
-    def __init__(self, engine, compressor: Compressor) -> None:
-        self.engine, self.compressor = engine, compressor
+    def __init__(self, runner: ModelRunner, compressor: Compressor) -> None:
+        self.runner, self.compressor = runner, compressor
 
     def estimate(self, index: int, row: Row) -> int:
         """Bytes a document will need, before it is prefilled: per layer and KV head its kept entries
         (the budget rule), its first question and answer, and the rounding of a segment's room to
-        whole blocks (:data:`~pipeline.kv.store.BLOCK`), plus the segment tables. Under a decode-time
-        cap every slot also holds its two statistics, and a document with several questions keeps a
-        copy of its compressed context (:class:`Sequence` ``saved_context``)."""
-        shape, cfg = self.engine.shape, self.compressor.config
+        whole blocks (:data:`~pipeline.kv.store.BLOCK`), each segment's bytes by the store's own rule
+        (:func:`~pipeline.kv.store.segment_bytes`: under a decode-time cap every slot also holds its
+        statistics). A document with several questions under a cap keeps a copy of its compressed
+        context (:class:`Sequence` ``saved_context``)."""
+        shape, cfg = self.runner.shape, self.compressor.config
         n = len(row.prompt.context_ids)
         kept = (
             int(row_budgets(torch.tensor([n]), cfg.cache_size, cfg.budget, cfg.window)[0][0]) if cfg.compresses else n
         )
         question = len(row.prompt.question_ids[0]) if row.prompt.question_ids else 0
-        slots = kept + question + self.engine.max_new_tokens_for(row.request) + BLOCK - 1
+        slots = kept + question + self.runner.max_new_tokens_for(row.request) + BLOCK - 1
         capped = cfg.max_cache_tokens is not None
         if capped and len(row.question_indices) > 1:
             slots += kept
-        per_slot = 2 * shape.head_dim * shape.itemsize + 4 + (8 if capped else 0)
-        return shape.num_layers * shape.num_kv_heads * (slots * per_slot + 3 * 8)
+        return shape.num_layers * shape.num_kv_heads * segment_bytes(slots, shape.head_dim, shape.itemsize, capped)
 
     def open(self, index: int, row: Row) -> Opened:
         """The document's own prefill and compression (phases as in any prefill)."""
-        t0 = now(self.engine.device)
-        one = self.engine.new_cache(self.compressor)
-        ctx_len, logits = self.engine.prefill([row], one)
-        context_s = now(self.engine.device) - t0
+        t0 = now(self.runner.device)
+        one = self.runner.new_cache(self.compressor)
+        ctx_len, logits = self.runner.prefill.run([row], one)
+        context_s = now(self.runner.device) - t0
         cost = (int(one.context_entries[0]), int(one.context_bytes[0]), context_s, one.compress_seconds)
         return Opened(one, int(ctx_len[0]), logits[0], cost)
 

@@ -40,6 +40,7 @@ from .answers import ContextCost, make_answers
 from .batching import Row, warn_below_window
 from .continuous import ContinuousBatch
 from .memory import PeakMemory, now
+from .runner import ModelRunner
 from .sequences import PrebuiltSource
 from .types import Answer, Setting
 
@@ -77,12 +78,12 @@ def reconstruction_key(compressor: Compressor) -> tuple | None:
 
 
 class SweepBatch:
-    """One batch of a sweep (see the module docstring); ``engine`` supplies the model's decoder,
-    reconstruction passes, shape and limits."""
+    """One batch of a sweep (see the module docstring); ``runner`` supplies the model's decoder,
+    prefill, reconstruction passes, shape and limits."""
 
     def __init__(
         self,
-        engine,
+        runner: ModelRunner,
         rows: list[Row],
         compressors: list[Compressor],
         settings: list[Setting | None] | None = None,
@@ -90,7 +91,7 @@ class SweepBatch:
     ) -> None:
         """``settings``: what each compressor's answers are labelled with (default: its method, cache
         size and budget); ``fidelity``: measure answer fidelity against the full cache (sweeps)."""
-        self.engine, self.rows, self.compressors, self.fidelity = engine, rows, compressors, fidelity
+        self.runner, self.rows, self.compressors, self.fidelity = runner, rows, compressors, fidelity
         self.settings = settings or [Setting(c.config.label, c.config.cache_size, c.config.budget) for c in compressors]
         self.reference = None
         self.results: dict[int, tuple] = {}
@@ -100,28 +101,28 @@ class SweepBatch:
         return len(self.compressors) == 1 or not shares_capture(self.compressors[index].config)
 
     def run(self) -> list[Answer]:
-        engine, rows = self.engine, self.rows
+        runner, rows = self.runner, self.rows
         shared = [c for i, c in enumerate(self.compressors) if not self.own_prefill(i)]
         for compressor in shared:  # an own prefill warns itself
             warn_below_window(rows, compressor.config)
         ctx_len = torch.tensor([len(r.prompt.context_ids) for r in rows])
-        meter = PeakMemory(engine.device)
+        meter = PeakMemory(runner.device)
         with meter:
             capture, logits, prefill_s, passes = None, None, 0.0, {}
             if shared:
-                capture = CaptureCache(engine.shape.num_layers, self.compressors, engine.kernels)
-                t0 = now(engine.device)
-                _, logits = engine.prefill(rows, capture)
-                prefill_s = now(engine.device) - t0
+                capture = CaptureCache(runner.shape.num_layers, self.compressors, runner.kernels)
+                t0 = now(runner.device)
+                _, logits = runner.prefill.run(rows, capture)
+                prefill_s = now(runner.device) - t0
                 passes = self._reconstructions(capture)
-            for group in decode_groups(self.compressors, engine.generation.settings_per_decode):
+            for group in decode_groups(self.compressors, runner.generation.settings_per_decode):
                 self._decode_group(group, capture, passes, ctx_len, logits)
         answers = []
         for index, setting in enumerate(self.settings):
             entries, kept_bytes, compress_s, per_round, own_prefill = self.results[index]
             context_s = own_prefill if own_prefill is not None else prefill_s + compress_s
             cost = ContextCost(entries, kept_bytes, context_s, compress_s, meter.peak_bytes)
-            answers += make_answers(rows, ctx_len.tolist(), per_round, cost, engine.shape, setting, self.reference)
+            answers += make_answers(rows, ctx_len.tolist(), per_round, cost, runner.shape, setting, self.reference)
         return answers
 
     def _reconstructions(self, capture: CaptureCache) -> dict:
@@ -133,18 +134,18 @@ class SweepBatch:
             key = reconstruction_key(compressor)
             if key is None or key in out:
                 continue
-            t0 = now(self.engine.device)
-            scores = self.engine.reconstruction.scores(contexts, prefixes, capture.pending_layers(), *key)
-            out[key] = (scores, now(self.engine.device) - t0)
+            t0 = now(self.runner.device)
+            scores = self.runner.reconstruction.scores(contexts, prefixes, capture.pending_layers(), *key)
+            out[key] = (scores, now(self.runner.device) - t0)
         return out
 
     def _own_prefill(self, compressor: Compressor) -> tuple[VarLenCache, object, float]:
         """A setting's cache, last logits and seconds from its own prefill, compression included (its
         ``ttft_s`` counts that prefill instead of the shared one)."""
-        t0 = now(self.engine.device)
-        cache = self.engine.new_cache(compressor)
-        _, logits = self.engine.prefill(self.rows, cache)
-        return cache, logits, now(self.engine.device) - t0
+        t0 = now(self.runner.device)
+        cache = self.runner.new_cache(compressor)
+        _, logits = self.runner.prefill.run(self.rows, cache)
+        return cache, logits, now(self.runner.device) - t0
 
     def _decode_group(self, group: list[int], capture: CaptureCache | None, passes: dict, ctx_len, logits) -> None:
         """Build the group's caches, split them into one-row caches and decode those together in the
@@ -171,7 +172,7 @@ class SweepBatch:
             row_refs = [[rnd[k].reference_tokens for rnd in self.reference if rnd[k] is not None] for k in range(b)]
             references = {j * b + k: row_refs[k] for j in range(g) for k in range(b)}
         batch = ContinuousBatch(
-            self.engine,
+            self.runner,
             self.compressors[group[0]],
             float("inf"),  # the group's caches exist already: every row joins at once
             PrebuiltSource(opened),

@@ -7,10 +7,9 @@ sequence): entries of all segments live in one flat buffer
     positions    : (C,)     int32 original token position of the entry, -1 = not a real entry
 
 Segment ``s = row * H_kv + head`` occupies ``[start[s], start[s] + length[s])``; ``capacity[s]``
-slots are reserved for it. Memory held is therefore the sum of kept entries (plus whatever
-growth room was asked for), never a padded (B, H, max_len, D) rectangle and never a mask over
-the full cache. Order inside a segment does not matter for attention (keys are stored after
-RoPE), so eviction may reorder entries; original positions are kept alongside.
+slots are reserved for it (bytes: :func:`segment_bytes`). Memory held is the kept entries plus the
+growth room asked for, never a padded (B, H, max_len, D) rectangle nor a mask over the full cache.
+Keys are stored after RoPE, so eviction may reorder entries; original positions are kept alongside.
 
 Once a layer has grown (:meth:`VarLenLayer.reserve`, before the question and the answer are
 appended), every segment's capacity is a multiple of ``BLOCK`` and starts on a block boundary:
@@ -35,6 +34,15 @@ import torch
 BLOCK = 32  # slots per block of a grown layer (segment capacities are multiples of it)
 # the decode-time cap's per-entry statistics (indexed like the keys), moved and copied with their entries
 CAP_STATISTICS = ("acc_attention", "value_norm")
+POSITION_BYTES, STATISTIC_BYTES, TABLE_BYTES = 4, 4, 8  # int32 positions, float32 statistics, int64 table
+
+
+def segment_bytes(slots, head_dim: int, itemsize: int, capped: bool):
+    """Bytes a segment of ``slots`` slots (int or tensor) holds: K and V (``head_dim`` x ``itemsize``),
+    positions, the decode-time cap's statistics (``capped``), its table row. The one footprint rule: a
+    store accounts with it and the continuous batch's admission estimates a document with it."""
+    per_entry = 2 * head_dim * itemsize + POSITION_BYTES + (len(CAP_STATISTICS) * STATISTIC_BYTES if capped else 0)
+    return slots * per_entry + 3 * TABLE_BYTES
 
 
 class VarLenLayer:
@@ -90,11 +98,7 @@ class VarLenLayer:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dense(
-        cls,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        positions: torch.Tensor,
-        keep: torch.Tensor,
+        cls, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor
     ) -> VarLenLayer:
         """Build from dense prefill states.
 
@@ -382,12 +386,9 @@ class VarLenLayer:
         return self._row_bytes(self.length)
 
     def _row_bytes(self, slots: torch.Tensor) -> torch.Tensor:
-        """slots: (S,) slots counted per segment -> (B,) bytes per row of every per-entry tensor."""
-        per_entry = self.keys.element_size() * self.keys.shape[-1] + self.values.element_size() * self.values.shape[-1]
-        per_entry += self.positions.element_size()
-        per_entry += sum(t.element_size() for t in (self.acc_attention, self.value_norm) if t is not None)
-        per_segment = sum(t.element_size() for t in (self.start, self.length, self.capacity))
-        return slots.view(self.num_rows, self.num_heads).sum(-1) * per_entry + self.num_heads * per_segment
+        """slots: (S,) slots counted per segment -> (B,) bytes per row (:func:`segment_bytes`)."""
+        per_segment = segment_bytes(slots, self.keys.shape[-1], self.keys.element_size(), self.value_norm is not None)
+        return per_segment.view(self.num_rows, self.num_heads).sum(-1)
 
     def clone(self) -> VarLenLayer:
         tensors = (self.keys, self.values, self.positions, self.start, self.length, self.capacity)

@@ -21,6 +21,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.sequences import DocumentSource
 from pipeline.engine.types import Request
 from pipeline.kv.config import CompressionConfig
+from pipeline.kv.store import BLOCK, segment_bytes
 from tests.faults import Faults
 from tests.methods import one_method_per_part
 from tests.tiny import tiny_kvzap_file, tiny_loaded
@@ -68,7 +69,7 @@ def _fields(answers):
 
 def _budget_for(engine, requests, rows_at_once):
     """MiB that hold about ``rows_at_once`` of these documents' footprints."""
-    source = DocumentSource(engine, engine.compressor)
+    source = DocumentSource(engine.runner, engine.compressor)
     sizes = sorted(source.estimate(0, row) for r in requests for row in engine._rows_for(r))
     return sum(sizes[-rows_at_once:]) / 2**20
 
@@ -99,7 +100,7 @@ def test_the_batch_stays_within_its_memory_budget(rows_at_once, tmp_path):
     requests = _requests()
     rows = [row for r in requests for row in engine._rows_for(r)]
     budget = int(_budget_for(engine, requests, rows_at_once) * 2**20)
-    batch = ContinuousBatch(engine, engine.compressor, budget)
+    batch = ContinuousBatch(engine.runner, engine.compressor, budget)
     results = batch.run(rows)
     assert all(not isinstance(r, Exception) for r in results)
     assert 0 < batch.largest_bytes <= budget
@@ -126,7 +127,7 @@ def test_the_default_budget_is_a_share_of_the_memory_available(tmp_path, monkeyp
 def test_a_document_larger_than_the_budget_decodes_alone(tmp_path, caplog):
     engine = _engine("none", tmp=tmp_path, batch_size=5)
     rows = [row for r in _requests() for row in engine._rows_for(r)]
-    batch = ContinuousBatch(engine, engine.compressor, 1)
+    batch = ContinuousBatch(engine.runner, engine.compressor, 1)
     results = batch.run(rows)
     assert all(not isinstance(r, Exception) for r in results)
     assert batch.largest_batch == 1
@@ -246,3 +247,22 @@ def test_each_document_is_handed_on_once_as_soon_as_it_is_answered(continuous, f
     assert all(a.error for a in by_doc["c"]) and all(
         a.error is None for d, got in by_doc.items() if d != "c" for a in got
     )
+
+
+@pytest.mark.parametrize("knobs", [{}, {"max_cache_tokens": 30}])
+def test_a_documents_estimate_bounds_its_footprint_by_the_stores_own_rule(knobs, tmp_path):
+    """Admission estimates a document before its prefill with the rule the store accounts with
+    (``segment_bytes``): never below the bytes its cache holds once its question and answer have room,
+    and above them by at most the rounding of each segment to whole blocks."""
+    engine = _engine("snapkv", tmp=tmp_path, **knobs)
+    source, shape = DocumentSource(engine.runner, engine.compressor), engine.shape
+    one_question = [r for r in _requests() if len(r.questions) == 1]
+    for request in one_question:
+        row = engine._rows_for(request)[0]
+        opened = source.open(0, row)
+        opened.cache.reserve(len(row.prompt.question_ids[0]) + engine.runner.max_new_tokens_for(request))
+        held = int(opened.cache.bytes_per_row()[0])
+        assert (opened.cache.store[0].value_norm is not None) is bool(knobs)  # the cap's statistics are held
+        per_slot = segment_bytes(1, shape.head_dim, shape.itemsize, bool(knobs)) - segment_bytes(0, 1, 1, False)
+        rounding = shape.num_layers * shape.num_kv_heads * (BLOCK - 1) * per_slot
+        assert held <= source.estimate(0, row) <= held + rounding, request.doc_id
