@@ -104,9 +104,9 @@ def public_methods(cls: type) -> list[str]:
 
 
 def main() -> None:
-    from pipeline.kv import cache as cache_module
     from pipeline.kv.compress import Compressor
     from pipeline.kv.config import method_names
+    from pipeline.kv.storage import cache as cache_module
 
     graph = kv_import_graph()
     found = circles(graph)

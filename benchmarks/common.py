@@ -16,11 +16,11 @@ from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
 from pipeline.eval.sweep import parse_variant
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.rope import model_rotary
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 
 
 def machine() -> str:

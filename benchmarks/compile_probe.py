@@ -31,7 +31,7 @@ from transformers import StaticCache
 from benchmarks.roofline import RESULTS_DIR, header, table, write_report
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.loading import load_model
-from pipeline.kv.attention import cache_keyword
+from pipeline.kv.attention.registered import cache_keyword
 
 HERE = Path(__file__).resolve().parent
 

@@ -43,11 +43,11 @@ from benchmarks.roofline import (
     write_report,
 )
 from pipeline.engine.loading import apply_weight_layout
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.varlen_kernels import DENSE_ENV, RAGGED_ENV
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.rope import model_rotary
-from pipeline.kv.varlen_kernels import DENSE_ENV, RAGGED_ENV
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 
 HERE = Path(__file__).resolve().parent
 

@@ -23,11 +23,11 @@ from benchmarks.common import context_ids
 from benchmarks.gpu_batch import batch_of
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.loading import load_model
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
+from pipeline.kv.attention.varlen_kernels import KernelChoice
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
-from pipeline.kv.varlen_kernels import KernelChoice
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 
 KERNELS = ("grouped", "sdpa")
 

@@ -8,7 +8,7 @@ tokenizer, and decode throughput at a fixed KV memory budget.
 * :func:`measure_throughput`: tokens/s of greedy decode steps at the largest batch whose caches fit
   ``budget_bytes`` of KV memory (the question of "Throughput from the freed memory": what the freed
   memory buys). One document's compressed cache is given; the batch is its row copied ``B`` times
-  (:meth:`pipeline.kv.store.VarLenLayer.concat`), which costs the decode exactly what ``B``
+  (:meth:`pipeline.kv.storage.store.VarLenLayer.concat`), which costs the decode exactly what ``B``
   different documents of the same kept lengths cost. ``B = floor(budget / bytes of one row)``
   with the row's bytes as the cache counts them (entries, positions, segment tables and the slots
   reserved for the decoded tokens).
@@ -23,10 +23,10 @@ import time
 import torch
 
 from pipeline.engine.reconstruction import ContextReconstruction
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.varlen_kernels import KernelChoice
 from pipeline.kv.prefill.rules import plan_prefill
-from pipeline.kv.store import VarLenLayer
-from pipeline.kv.varlen_kernels import KernelChoice
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
+from pipeline.kv.storage.store import VarLenLayer
 
 TAIL_TOKENS = 5  # end of the user turn + the assistant header in Llama-3's template
 MAX_BATCH = 1024

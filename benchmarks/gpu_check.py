@@ -17,7 +17,7 @@ read) and methods interleaved within each repeat (medians):
   chunked prefill (``[chunked]``: ``--prefill-chunk`` tokens a chunk, default 4,096;
   :func:`benchmarks.gpu_batch.chunked_prefill`),
   driven exactly like ``benchmarks/common.py`` drives it: ``VarLenCache`` + ``Compressor`` + the
-  attention function from ``pipeline.kv.attention.register``; one ``Compressor`` per method reused
+  attention function from ``pipeline.kv.attention.registered.register``; one ``Compressor`` per method reused
   across repeats, as an engine does;
 - decode ms/token after that prefill (fixed input token, after warm-up steps): the full cache
   (``none``) against the 20 % caches, and which attention path the decode took
@@ -65,9 +65,9 @@ from benchmarks.gpu_batch import (
 )
 from benchmarks.gpu_check_report import markdown
 from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model, compressor
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.varlen_kernels import KernelChoice
 from pipeline.kv.compress import Compressor
-from pipeline.kv.varlen_kernels import KernelChoice
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 
 CHUNKED = "criticalkv-shares-kvzap[chunked]"  # the learned scorer, chunked prefill (--prefill-chunk) with eviction
 METHODS = (

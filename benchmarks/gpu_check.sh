@@ -122,7 +122,7 @@ if cuda:
     free, total = torch.cuda.mem_get_info()
     print(f"== GPU memory free {free / 2**30:.1f} / {total / 2**30:.1f} GiB, capability {torch.cuda.get_device_capability(0)}, bf16 {torch.cuda.is_bf16_supported()}")
 EOF
-if ! "$PYTHON" -c "import pipeline.kv.cache, pipeline.kv.compress, pipeline.kv.attention" 2>/tmp/gpu_check_import.err; then
+if ! "$PYTHON" -c "import pipeline.kv.storage.cache, pipeline.kv.compress, pipeline.kv.attention" 2>/tmp/gpu_check_import.err; then
     echo "gpu_check: the project does not import from $REPO:"; cat /tmp/gpu_check_import.err; exit 2
 fi
 if [ "$DEVICE" != "cuda" ] && [ "$SMOKE" != "1" ]; then

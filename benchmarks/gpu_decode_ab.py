@@ -20,7 +20,7 @@ default's does.
 
 A method may force kernels after ``@``: ``criticalkv-snapkv@dense=grouped`` reads the uniform cache
 with grouped matmuls instead of SDPA, ``none@varlen=blocked,...`` (fields of
-:class:`pipeline.kv.varlen_kernels.KernelChoice`, joined by ``+``: ``@dense=grouped+varlen=sdpa``).
+:class:`pipeline.kv.attention.varlen_kernels.KernelChoice`, joined by ``+``: ``@dense=grouped+varlen=sdpa``).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 from benchmarks.gpu_batch import batch_of, timed_step
 from benchmarks.gpu_check import free, prefill
 from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model, compressor
-from pipeline.kv.cache import VarLenCache
-from pipeline.kv.varlen_kernels import KernelChoice
+from pipeline.kv.attention.varlen_kernels import KernelChoice
+from pipeline.kv.storage.cache import VarLenCache
 
 DEFAULT_METHODS = "none,criticalkv-snapkv,criticalkv-adakv-snapkv"
 

@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from pipeline.kv.attention import register
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 

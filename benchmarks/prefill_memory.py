@@ -104,7 +104,7 @@ def transformers_side(engine, text: str, new_tokens: int):
     import torch
     from transformers import DynamicCache
 
-    from pipeline.kv.attention import cache_keyword
+    from pipeline.kv.attention.registered import cache_keyword
 
     model = engine.model
     prompt = engine.prompts.encode(text, [QUESTION])  # the token ids ours prefills and asks

@@ -25,9 +25,9 @@ import torch
 
 from benchmarks.common import context_ids, load_smollm2, prefill
 from benchmarks.roofline import RESULTS_DIR, header, parse_ints, table, write_report
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.varlen_kernels import KernelChoice
 from pipeline.kv.config import CompressionConfig
-from pipeline.kv.varlen_kernels import KernelChoice
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 
 HERE = Path(__file__).resolve().parent
 

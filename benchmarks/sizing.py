@@ -4,7 +4,7 @@ default KV memory with the full cache and with compressed caches.
 
     python -m benchmarks.sizing [--gpus 24,80]
 
-The formula is the store's (:meth:`pipeline.kv.store.VarLenLayer.bytes_per_row`): per layer, KV head
+The formula is the store's (:meth:`pipeline.kv.storage.store.VarLenLayer.bytes_per_row`): per layer, KV head
 and kept token, K and V (``head_dim`` values each, bf16) plus an int32 original position. The decode
 batch's default KV memory is 70 % of the GPU memory free once the model is loaded
 (:func:`pipeline.engine.memory.default_kv_budget`), taken here as the GPU's memory less the weights and

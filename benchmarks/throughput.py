@@ -44,7 +44,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.loading import load_model
 from pipeline.engine.sequences import DocumentSource
 from pipeline.engine.types import Request
-from pipeline.kv.attention import register
+from pipeline.kv.attention.registered import register
 from pipeline.kv.config import CompressionConfig
 
 HERE = Path(__file__).resolve().parent

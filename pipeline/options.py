@@ -62,8 +62,11 @@ def one_group(model: type[BaseModel]) -> list[tuple[str, list[str]]]:
 
 
 def _layout(model: type[BaseModel]) -> type[CommandLineConfig]:
-    """The class whose declarations lay out ``model``'s flags: the model itself, or the defaults."""
-    return model if issubclass(model, CommandLineConfig) else CommandLineConfig
+    """The class whose declarations lay out ``model``'s flags: the model itself when it declares
+    ``option_groups`` and ``cli_aliases`` (deriving from :class:`CommandLineConfig`, or defining both,
+    as the compression config does without importing this module), else the defaults."""
+    declares = all(callable(getattr(model, name, None)) for name in ("option_groups", "cli_aliases"))
+    return model if declares else CommandLineConfig
 
 
 @dataclass

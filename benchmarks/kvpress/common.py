@@ -218,7 +218,7 @@ def load_model_dtype(dtype: str):
     """SmolLM2 in ``dtype`` on CPU with our attention registered (for the bf16 faithfulness rows)."""
     from pipeline.engine.config import ModelConfig
     from pipeline.engine.loading import load_model
-    from pipeline.kv.attention import register
+    from pipeline.kv.attention.registered import register
 
     loaded = load_model(ModelConfig(name="smollm2", device="cpu", dtype=dtype))
     loaded.model.set_attn_implementation(register())

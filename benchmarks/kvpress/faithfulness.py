@@ -44,9 +44,9 @@ def capture_prefill(model, ids: torch.Tensor, methods: list[str] = (), budget: i
     """One prefill of ``ids`` into a capture cache (dense K/V of every layer and what each method's
     scorer observes), from which every method's cache is derived. Compressor 0 is a matched SnapKV
     one whose observed window queries give the base scores; method i is compressor i + 1."""
-    from pipeline.kv.cache import run_chunk
     from pipeline.kv.compress import Compressor
     from pipeline.kv.prefill.capture import CaptureCache
+    from pipeline.kv.storage.cache import run_chunk
 
     compressors = [Compressor(matched_config(m, budget=budget)) for m in ("snapkv", *methods)]
     capture = CaptureCache(model.config.num_hidden_layers, compressors)

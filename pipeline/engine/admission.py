@@ -3,7 +3,7 @@ from its source (its own one-row cache), its first question prefilled and room r
 and joins the decode batch while the footprints of the rows there plus its own fit the KV budget.
 
 Before a row is opened its bytes are estimated by its source (a document source: from the budget rule
-and the store's own footprint rule, :func:`~pipeline.kv.store.segment_bytes`); once its question is
+and the store's own footprint rule, :func:`~pipeline.kv.storage.store.segment_bytes`); once its question is
 asked its footprint is exact (its cache's bytes). A row larger than the whole budget decodes alone (a
 warning says so). At most one opened row waits for room, so memory stays within the budget + one
 document's prefill + the model. A source whose contexts exist already (``together``: a batch of
@@ -18,9 +18,9 @@ from collections import deque
 
 import torch
 
-from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
-from ..kv.rows import layer_lengths, regroup, take_rows
+from ..kv.storage.cache import VarLenCache
+from ..kv.storage.rows import layer_lengths, regroup, take_rows
 from .batching import Row, left_pad
 from .memory import now
 from .runner import ModelRunner

@@ -17,7 +17,7 @@ and the batch path (documents prefilled together, a sweep's settings built from 
 3. one greedy step decodes every row of the batch. A row whose answer ends (EOS or its limit) leaves
    at once: with another question its context is rolled back, the question prefilled alone and the
    row joins again; otherwise its answers are done. Leaving and joining rebuild the batch's cache
-   layer by layer (:mod:`pipeline.kv.rows`). With fidelity on (sweeps), a row's answer NLL is measured
+   layer by layer (:mod:`pipeline.kv.storage.rows`). With fidelity on (sweeps), a row's answer NLL is measured
    as it leaves: the reference answer teacher-forced on a copy of its rows at the question's end.
 
 Under a decode-time cap (its eviction reorders entries) the marks a row rolls back to are copies of
@@ -36,9 +36,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
-from ..kv.rows import regroup, take_rows
+from ..kv.storage.cache import VarLenCache
+from ..kv.storage.rows import regroup, take_rows
 from .admission import Admission
 from .answers import ContextCost, make_answers
 from .batching import Row

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv.cache import ChunkCache, run_chunk
+from ..kv.storage.cache import ChunkCache, run_chunk
 
 
 @dataclass

@@ -32,12 +32,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..kv.attention import register as register_attention
-from ..kv.cache import ChunkCache, VarLenCache
+from ..kv.attention.registered import register as register_attention
+from ..kv.attention.varlen_kernels import KernelChoice
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
 from ..kv.rope import model_rotary
-from ..kv.varlen_kernels import KernelChoice
+from ..kv.storage.cache import ChunkCache, VarLenCache
 from .answers import ModelShape
 from .batching import Row, rows_for
 from .config import GenerationConfig, ModelConfig

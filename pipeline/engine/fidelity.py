@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kv.cache import VarLenCache, run_chunk
 from ..kv.compress import Compressor
-from ..kv.rows import take_rows
-from ..kv.store import VarLenLayer
+from ..kv.storage.cache import VarLenCache, run_chunk
+from ..kv.storage.rows import take_rows
+from ..kv.storage.store import VarLenLayer
 from .batching import left_pad
 from .runner import ModelRunner
 from .sequences import Sequence

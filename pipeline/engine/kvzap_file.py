@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..kv.attention import attention_modules
+from ..kv.attention.registered import attention_modules
 from ..kv.config import CompressionConfig
 from ..kv.kvzap_model import KVzapModel
 

@@ -17,9 +17,9 @@ from contextlib import nullcontext
 
 import torch
 
-from ..kv.attention import cache_keyword, recorded_attention_inputs
-from ..kv.cache import VarLenCache
+from ..kv.attention.registered import cache_keyword, recorded_attention_inputs
 from ..kv.prefill.rules import PrefillPlan
+from ..kv.storage.cache import VarLenCache
 
 LOG = logging.getLogger(__name__)
 

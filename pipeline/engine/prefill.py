@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from .. import hooks
-from ..kv.cache import ChunkCache, VarLenCache
 from ..kv.prefill.rules import PrefillPlan, plan_prefill
+from ..kv.storage.cache import ChunkCache, VarLenCache
 from .batching import Row, left_pad, warn_below_window
 from .decoding import Decoder
 from .layerwise import layerwise_prefill, usable_slice

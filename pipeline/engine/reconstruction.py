@@ -29,9 +29,9 @@ from contextlib import contextmanager
 
 import torch
 
-from ..kv.cache import run_chunk
 from ..kv.compress import PendingLayer
-from ..kv.reconstruction import ReconstructionCache
+from ..kv.prefill.reconstruction import ReconstructionCache
+from ..kv.storage.cache import run_chunk
 from .batching import left_pad
 from .prompts import PromptBuilder
 

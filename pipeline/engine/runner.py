@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.cache import VarLenCache
+from ..kv.attention.varlen_kernels import KernelChoice
 from ..kv.compress import Compressor
-from ..kv.varlen_kernels import KernelChoice
+from ..kv.storage.cache import VarLenCache
 from .answers import ModelShape
 from .config import GenerationConfig
 from .decoding import Decoder

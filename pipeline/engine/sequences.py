@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kv.allocation import row_budgets
-from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
-from ..kv.rows import take_rows
-from ..kv.store import BLOCK, VarLenLayer, segment_bytes
+from ..kv.storage.cache import VarLenCache
+from ..kv.storage.rows import take_rows
+from ..kv.storage.store import BLOCK, VarLenLayer, segment_bytes
 from .batching import Row
 from .decoding import RoundResult
 from .memory import now
@@ -83,8 +83,8 @@ class DocumentSource:
     def estimate(self, index: int, row: Row) -> int:
         """Bytes a document will need, before it is prefilled: per layer and KV head its kept entries
         (the budget rule), its first question and answer, and the rounding of a segment's room to
-        whole blocks (:data:`~pipeline.kv.store.BLOCK`), each segment's bytes by the store's own rule
-        (:func:`~pipeline.kv.store.segment_bytes`: under a decode-time cap every slot also holds its
+        whole blocks (:data:`~pipeline.kv.storage.store.BLOCK`), each segment's bytes by the store's own rule
+        (:func:`~pipeline.kv.storage.store.segment_bytes`: under a decode-time cap every slot also holds its
         statistics). A document with several questions under a cap keeps a copy of its compressed
         context (:class:`Sequence` ``saved_context``)."""
         shape, cfg = self.runner.shape, self.compressor.config

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import torch
 
-from ..kv.cache import VarLenCache
 from ..kv.compress import Compressor
 from ..kv.phases import Phase
 from ..kv.prefill.capture import CaptureCache
 from ..kv.prefill.rules import shares_capture
+from ..kv.storage.cache import VarLenCache
 from .answers import ContextCost, make_answers
 from .batching import Row, warn_below_window
 from .continuous import ContinuousBatch

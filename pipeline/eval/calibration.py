@@ -17,7 +17,7 @@ Recipe implemented here (all offline, seeded):
   question + answer prefix ``"The special magic ... for {key} is:"``), and the needle's value
   tokens, exactly as tokenised inside the context, are appended: the copy is *teacher-forced*.
 * **Attention.** One forward per case with the recording attention
-  (:func:`pipeline.kv.attention.register_recording`, scoped to the run): ordinary causal SDPA for
+  (:func:`pipeline.kv.attention.registered.register_recording`, scoped to the run): ordinary causal SDPA for
   the output, plus, for the copy queries only (the positions whose next token is value
   token j), the argmax over keys of each query head's attention logits (= of its attention
   weights) -- :func:`top_attended_positions`.
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from ..engine.prompts import SEPARATOR, PromptBuilder
-from ..kv.attention import register_recording
+from ..kv.attention.registered import register_recording
 from .ruler import fit_size
 from .ruler_data import NOISE_HAYSTACK, essay_words, random_value, random_word, split_sentences
 from .ruler_tasks import insert_after_sentences

@@ -35,7 +35,7 @@ import torch
 from ..engine.types import Request
 from ..kv.allocation import row_budgets
 from ..kv.allocation.layer import layer_head_budgets
-from ..kv.attention import recorded_attention_inputs
+from ..kv.attention.registered import recorded_attention_inputs
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig
 from ..kv.kvzap_model import KVzapModel, position_features

@@ -9,13 +9,13 @@ reduced to that method's kept entries.
 How it is computed (no monkey-patching; transformers' public extension points only):
 
 1. One full forward over ``context + later`` with the recording attention
-   (:func:`pipeline.kv.attention.register_recording`): it computes the ordinary causal attention
+   (:func:`pipeline.kv.attention.registered.register_recording`): it computes the ordinary causal attention
    (SDPA) and hands the layer's post-RoPE ``q, k, v`` to a recorder, which analyses the layer on
    the spot and keeps only small results (memory: one layer's attention maps of the later queries,
    plus each method's compressed K/V).
 2. Per layer, every method's :class:`~pipeline.kv.compress.Compressor` runs
    ``compress_layer(layer, module, q[:n], k[:n], v[:n], positions, scaling)`` on the context part
-   of the captured tensors -- exactly the call :class:`~pipeline.kv.cache.VarLenCache` makes after
+   of the captured tensors -- exactly the call :class:`~pipeline.kv.storage.cache.VarLenCache` makes after
    a prefill -- and its keep mask (H_kv, n) defines the kept set S of every KV head. Later tokens
    are never evicted (they arrive after compression), so S always contains them.
 3. :class:`LayerProbe` evaluates the kept sets against the full-cache attention of two sets of
@@ -24,7 +24,7 @@ How it is computed (no monkey-patching; transformers' public extension points on
    the selection never saw), and ``probe="window"``, the last ``window`` context queries (the SnapKV
    observation window whose attention the selection estimates A from: the in-sample view).
 4. Hidden-state deviation (end to end): the kept entries are copied into a
-   :class:`~pipeline.kv.cache.VarLenCache` (``VarLenLayer.from_dense``, as the cache does), the later
+   :class:`~pipeline.kv.storage.cache.VarLenCache` (``VarLenLayer.from_dense``, as the cache does), the later
    tokens are run through the model with the registered ``criticalkv_varlen`` attention, and the
    final (post-norm) hidden states are compared with the same run on a keep-everything cache.
 
@@ -79,15 +79,15 @@ import torch
 
 from ..engine.priors import load_head_priors
 from ..kv.allocation import row_budgets
-from ..kv.attention import register as register_varlen_attention
-from ..kv.attention import register_recording
-from ..kv.cache import VarLenCache, run_chunk
+from ..kv.attention.registered import register as register_varlen_attention
+from ..kv.attention.registered import register_recording
 from ..kv.compress import Compressor
 from ..kv.config import CompressionConfig, ScoringKnobs, method_name
 from ..kv.phases import Phase
 from ..kv.rope import model_rotary
 from ..kv.scorers.snapkv import snapkv_scores
-from ..kv.store import VarLenLayer
+from ..kv.storage.cache import VarLenCache, run_chunk
+from ..kv.storage.store import VarLenLayer
 from ..kv.value_norms import OutputProjection
 from .perturbation_docs import Document
 from .perturbation_probe import HeadStats, LayerProbe

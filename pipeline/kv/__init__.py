@@ -1,12 +1,14 @@
-"""The compression core: pure tensors, no Ray, no files (see ``docs/ARCHITECTURE.md``).
+"""The compression core: pure tensors, no Ray, no files, nothing of the package outside it (see
+``docs/ARCHITECTURE.md``). At this level, the method: :mod:`~pipeline.kv.config` (:class:`CompressionConfig`
+and the method spelling), :mod:`~pipeline.kv.parts` and its registries (:mod:`~pipeline.kv.scorers`,
+:mod:`~pipeline.kv.allocation`, :mod:`~pipeline.kv.selection`), :mod:`~pipeline.kv.phases`,
+:mod:`~pipeline.kv.compress` (the :class:`Compressor`: context -> score -> allocate -> select) and the
+helpers the parts share (value norms, ranking, RoPE, the learned scorer's weights). Sub-packages:
 
-* :mod:`~pipeline.kv.config` -- :class:`CompressionConfig` and the method spelling;
-* :mod:`~pipeline.kv.parts` and the registries :data:`~pipeline.kv.scorers.SCORERS`,
-  :data:`~pipeline.kv.allocation.ALLOCATIONS`, :data:`~pipeline.kv.selection.SELECTIONS`;
-* :mod:`~pipeline.kv.compress` -- the per-layer :class:`Compressor`;
-* :mod:`~pipeline.kv.store`, :mod:`~pipeline.kv.cache`, :mod:`~pipeline.kv.decode_cap` -- the
-  variable-length cache: storage, decode steps, rollback;
-* :mod:`~pipeline.kv.prefill` -- how a context is prefilled into it (one strategy per module, the
-  rules in :mod:`~pipeline.kv.prefill.rules`), and the sweep's capture;
-* :mod:`~pipeline.kv.attention`, :mod:`~pipeline.kv.varlen_kernels` -- attention over it.
+* :mod:`~pipeline.kv.prefill` -- how a context is prefilled into the cache (one strategy per module,
+  every rule in :mod:`~pipeline.kv.prefill.rules`), the sweep's capture, KVzip's passes (cache side);
+* :mod:`~pipeline.kv.storage` -- the variable-length cache: storage, decode steps, rollback, rows
+  leaving and joining, the decode-time cap;
+* :mod:`~pipeline.kv.attention` -- the attention functions transformers calls and the kernels that read
+  the cache in place.
 """

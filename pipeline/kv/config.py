@@ -30,7 +30,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from ..options import CommandLineConfig
 from .allocation import ALLOCATIONS
 from .parts import declared_knobs
 from .phases import Phase, method_phase
@@ -149,7 +148,9 @@ def _knob_bases() -> tuple[type[BaseModel], ...]:
     return tuple(sorted(_part_options(), key=lambda model: -len(model.__mro__)))
 
 
-class ScoringKnobs(CommandLineConfig, *_knob_bases()):
+# lays out its own command line (option_groups, cli_aliases: the protocol of pipeline.options.CommandLineConfig,
+# which this core does not import); its docstring is the title of its help group
+class ScoringKnobs(*_knob_bases()):
     """KV-cache compression"""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -161,6 +162,11 @@ class ScoringKnobs(CommandLineConfig, *_knob_bases()):
         (of a whole config, its knobs only: the method and budget are the arguments)."""
         knobs = self.model_dump(include=set(type(self).model_fields) - set(MethodChoice.model_fields))
         return CompressionConfig.model_validate({**knobs, "method": method, "cache_size": cache_size, **updates})
+
+    @classmethod
+    def cli_aliases(cls) -> dict:
+        """Flags that are not fields (none here; :class:`CompressionConfig` has ``--method``)."""
+        return {}
 
     @classmethod
     def option_groups(cls) -> list[tuple[str, list[str]]]:

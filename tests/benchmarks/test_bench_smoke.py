@@ -12,7 +12,7 @@ from benchmarks.kvpress import faithfulness as kvpress_faithfulness
 from benchmarks.kvpress import ours as kvpress_ours
 from benchmarks.kvpress import vs_kvpress
 from benchmarks.run_all import FULL, QUICK, has_flag, module_exists, module_of
-from pipeline.kv.attention import register
+from pipeline.kv.attention.registered import register
 from tests.tiny import tiny_loaded, tiny_model
 
 
@@ -184,7 +184,7 @@ def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
 
 def test_ragged_decode_interleaves_both_kernels_on_one_cache(tiny, monkeypatch):
     from benchmarks import ragged_decode
-    from pipeline.kv.varlen_kernels import RAGGED_ENV
+    from pipeline.kv.attention.varlen_kernels import RAGGED_ENV
 
     monkeypatch.setenv(RAGGED_ENV, "")
     ids = torch.randint(3, 200, (1, 128), generator=torch.Generator().manual_seed(0))  # long enough to be ragged
@@ -295,7 +295,7 @@ def test_sizing_uses_the_stores_bytes_per_kept_token():
     import torch
 
     from benchmarks.sizing import kv_bytes_per_token, rows
-    from pipeline.kv.store import VarLenLayer
+    from pipeline.kv.storage.store import VarLenLayer
 
     heads, n, dim = 3, 10, 16
     key = torch.randn(1, heads, n, dim, dtype=torch.bfloat16)

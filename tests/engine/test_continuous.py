@@ -21,7 +21,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.sequences import DocumentSource
 from pipeline.engine.types import Request
 from pipeline.kv.config import CompressionConfig
-from pipeline.kv.store import BLOCK, segment_bytes
+from pipeline.kv.storage.store import BLOCK, segment_bytes
 from tests.faults import Faults
 from tests.methods import one_method_per_part
 from tests.tiny import tiny_kvzap_file, tiny_loaded

@@ -381,7 +381,7 @@ def test_a_cache_size_below_the_window_keeps_the_window_and_warns(caplog):
 def test_an_engine_chooses_its_attention_kernels_once_for_every_cache(monkeypatch):
     """The forced kernels are read when the engine is made; its caches (batch, continuous, sweep) keep
     that choice whatever the environment says later."""
-    from pipeline.kv.varlen_kernels import KERNEL_ENV, RAGGED_ENV, KernelChoice
+    from pipeline.kv.attention.varlen_kernels import KERNEL_ENV, RAGGED_ENV, KernelChoice
 
     monkeypatch.setenv(KERNEL_ENV, "reference")
     monkeypatch.setenv(RAGGED_ENV, "blocked")

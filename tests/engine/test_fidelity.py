@@ -14,8 +14,8 @@ from pipeline.engine.config import GenerationConfig
 from pipeline.engine.decoding import answer_text
 from pipeline.engine.engine import Engine
 from pipeline.engine.types import Request
-from pipeline.kv.cache import run_chunk
 from pipeline.kv.config import CompressionConfig
+from pipeline.kv.storage.cache import run_chunk
 from tests.tiny import DEVICE, tiny_loaded, tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "

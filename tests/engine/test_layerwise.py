@@ -20,12 +20,12 @@ from pipeline.engine.config import GenerationConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.layerwise import layerwise_prefill, usable_slice
 from pipeline.engine.types import Request
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.prefill.layer_by_layer import LayerByLayer
 from pipeline.kv.prefill.rules import PrefillPlan, layer_timing, plan_prefill
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 from tests.engine.test_engine import KVZAP_DIR, TEXT
 from tests.kv.test_chunked import _compressor, _kept, _rows
 from tests.methods import ALL_METHODS, one_method_per_part

@@ -16,10 +16,10 @@ import torch
 from pipeline.eval.perturbation import SCHEMA, analyse_document, base_method, method_configs
 from pipeline.eval.perturbation_docs import continuation_documents
 from pipeline.eval.perturbation_probe import LayerProbe, group_l1_norms
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 from pipeline.kv.value_norms import OutputProjection, exact_l1_norms
 from pipeline.report.perturbation import headline
 from tests.tiny import tiny_model, tiny_tokenizer

@@ -20,11 +20,11 @@ from pipeline.eval.kvzap_calibration import (
 )
 from pipeline.eval.kvzap_data import KINDS, calibration_documents
 from pipeline.kv.allocation.layer import layer_head_budgets
-from pipeline.kv.attention import recorded_attention_inputs
-from pipeline.kv.cache import VarLenCache
+from pipeline.kv.attention.registered import recorded_attention_inputs
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.scorers.common import finalise
+from pipeline.kv.storage.cache import VarLenCache
 from tests.tiny import tiny_loaded
 
 TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "

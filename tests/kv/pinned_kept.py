@@ -80,10 +80,10 @@ def compute(kept_for) -> dict:
 def kept_for_current_code(model, method, size, priors, ids, pos):
     """Kept positions of ``method`` with today's API (batched, left-padded prefill)."""
     from pipeline.engine.priors import load_head_priors
-    from pipeline.kv.attention import register
-    from pipeline.kv.cache import VarLenCache, run_chunk
+    from pipeline.kv.attention.registered import register
     from pipeline.kv.compress import Compressor
     from pipeline.kv.config import CompressionConfig
+    from pipeline.kv.storage.cache import VarLenCache, run_chunk
 
     cfg = model.config
     comp = CompressionConfig(method=method, cache_size=size, window=4, kernel=3, head_priors=priors)

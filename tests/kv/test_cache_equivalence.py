@@ -22,11 +22,11 @@ from transformers import AttentionInterface, DynamicCache
 from pipeline.engine.priors import load_head_priors
 from pipeline.engine.prompts import PromptBuilder
 from pipeline.engine.reconstruction import ContextReconstruction
-from pipeline.kv.attention import cache_keyword, register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import cache_keyword, register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.rope import model_rotary
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 from tests.methods import ALL_METHODS, COMPRESSING, one_method_per_part
 from tests.tiny import DEVICE, tiny_kvzap_for, tiny_model, tiny_tokenizer
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.prefill.rules import plan_prefill
 from pipeline.kv.rope import model_rotary
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 from tests.kv.reference import topk_indices
 from tests.methods import COMPRESSING
 from tests.tiny import DEVICE, tiny_kvzap_for, tiny_model

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from pipeline.engine.kvzap_file import load_kvzap, model_fingerprint, read_metadata, resolve_kvzap, write_kvzap
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.kvzap_model import KVzapModel
 from pipeline.kv.rope import model_rotary
 from pipeline.kv.scorers.kvzap import MAX_LOG_SCORE
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 from tests.kv.reference import topk_indices
 from tests.tiny import DEVICE, tiny_kvzap, tiny_kvzap_for, tiny_loaded, tiny_model
 

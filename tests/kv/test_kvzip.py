@@ -17,11 +17,11 @@ from transformers import AttentionInterface
 
 from pipeline.engine.prompts import PromptBuilder
 from pipeline.engine.reconstruction import PREVIOUS_TAIL, REPEAT_FIRST, REPEAT_NEXT, ContextReconstruction
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor, PendingLayer
 from pipeline.kv.config import CompressionConfig
-from pipeline.kv.reconstruction import ReconstructionCache
+from pipeline.kv.prefill.reconstruction import ReconstructionCache
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 from tests.tiny import DEVICE, tiny_model, tiny_tokenizer
 
 H_Q, H_KV, D, HIDDEN = 4, 2, 8, 32

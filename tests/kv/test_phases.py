@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from pipeline.kv.allocation import ALLOCATIONS
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
 from pipeline.kv.phases import Phase, method_phase
 from pipeline.kv.scorers import SCORERS
 from pipeline.kv.selection import SELECTIONS
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 from tests.tiny import DEVICE, tiny_model
 
 LAYERS = 3

@@ -1,14 +1,14 @@
-"""Rows leaving and joining a cache (pipeline.kv.rows) against a naive reference: every segment as a
+"""Rows leaving and joining a cache (pipeline.kv.storage.rows) against a naive reference: every segment as a
 Python list of (key, value, position) entries, on random ragged layers with spare capacity."""
 
 import pytest
 import torch
 
-from pipeline.kv.cache import VarLenCache
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
-from pipeline.kv.rows import regroup, take_rows
-from pipeline.kv.store import VarLenLayer
+from pipeline.kv.storage.cache import VarLenCache
+from pipeline.kv.storage.rows import regroup, take_rows
+from pipeline.kv.storage.store import VarLenLayer
 
 HEADS, DIM = 2, 4
 

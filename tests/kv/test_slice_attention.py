@@ -5,7 +5,7 @@ and without left padding, grouped-query heads; also in bfloat16 against the floa
 import pytest
 import torch
 
-from pipeline.kv.attention import dense_prefill_attention, slice_attention
+from pipeline.kv.attention.dense import dense_prefill_attention, slice_attention
 from tests.tiny import DEVICE
 
 

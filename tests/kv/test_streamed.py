@@ -19,8 +19,7 @@ import torch
 
 from pipeline.kv.allocation import ALLOCATIONS
 from pipeline.kv.allocation.layer import top_entries
-from pipeline.kv.attention import register
-from pipeline.kv.cache import VarLenCache, run_chunk
+from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor, PendingLayer
 from pipeline.kv.config import CompressionConfig, method_name
 from pipeline.kv.parts import LayerContext
@@ -31,6 +30,7 @@ from pipeline.kv.ranking import rank_desc
 from pipeline.kv.rope import model_rotary
 from pipeline.kv.scorers import SCORERS
 from pipeline.kv.selection import SELECTIONS
+from pipeline.kv.storage.cache import VarLenCache, run_chunk
 from pipeline.kv.value_norms import NormStats, OutputProjection
 from tests.tiny import DEVICE, tiny_kvzap, tiny_kvzap_for, tiny_model
 

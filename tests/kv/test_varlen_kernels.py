@@ -14,12 +14,10 @@ import torch
 from pipeline.engine.config import GenerationConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.types import Request
-from pipeline.kv import cache as cache_module
-from pipeline.kv import varlen_kernels
-from pipeline.kv.attention import cache_keyword, varlen_attention
-from pipeline.kv.config import CompressionConfig
-from pipeline.kv.store import BLOCK, VarLenLayer
-from pipeline.kv.varlen_kernels import (
+from pipeline.kv.attention import varlen_kernels
+from pipeline.kv.attention.dense import varlen_attention
+from pipeline.kv.attention.registered import cache_keyword
+from pipeline.kv.attention.varlen_kernels import (
     DENSE_ENV,
     FLAT_MAX_MASKED,
     KERNEL_ENV,
@@ -35,6 +33,9 @@ from pipeline.kv.varlen_kernels import (
     sdpa_varlen_attention,
     segmentwise_chunk_attention,
 )
+from pipeline.kv.config import CompressionConfig
+from pipeline.kv.storage import cache as cache_module
+from pipeline.kv.storage.store import BLOCK, VarLenLayer
 from tests.tiny import tiny_loaded
 
 
@@ -296,9 +297,9 @@ def test_dense_decode_kernel_choice():
 
 def test_forced_kernels_are_read_once_when_a_cache_is_made(monkeypatch):
     """The environment forces kernels for the caches made after it is set; a cache keeps its choice."""
-    from pipeline.kv.cache import VarLenCache
     from pipeline.kv.compress import Compressor
     from pipeline.kv.config import CompressionConfig
+    from pipeline.kv.storage.cache import VarLenCache
 
     for name in (KERNEL_ENV, DENSE_ENV, RAGGED_ENV):
         monkeypatch.delenv(name, raising=False)
@@ -403,7 +404,7 @@ def test_sdpa_on_cuda_in_bf16_equals_the_reference():
 def test_grouped_decode_equals_a_per_head_softmax_over_a_strided_store_view(groups):
     """The dense one-token path (uniform caches on CPU) against an explicit per-query-head
     softmax, on keys/values that are a view with spare capacity (as the store hands them out)."""
-    from pipeline.kv.attention import grouped_decode_attention
+    from pipeline.kv.attention.dense import grouped_decode_attention
 
     gen = torch.Generator().manual_seed(3)
     bsz, h_kv, length, capacity, dim = 2, 2, 11, 16, 8

@@ -1,6 +1,6 @@
 """The seam between the variable-length cache and its prefill strategies.
 
-The cache (:class:`~pipeline.kv.cache.VarLenCache`) routes the model's calls to the strategy of the
+The cache (:class:`~pipeline.kv.storage.cache.VarLenCache`) routes the model's calls to the strategy of the
 prefill under way and, once the context is compressed, serves decode steps itself. A strategy sees
 the cache only as a :class:`PrefillTarget`: the per-layer store it fills, the chunk's positions,
 the compressor, and three calls (declare a chunk, store a layer's kept entries, end the prefill).
@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from ..compress import Compressor, LayerSelection, PendingLayer
-from ..store import VarLenLayer
+from ..storage.store import VarLenLayer
 
 
 class PrefillTarget(Protocol):

@@ -3,7 +3,7 @@
 Prefill attention does not depend on the method, so a sweep prefills each batch once into a
 :class:`CaptureCache`, which keeps every layer's dense K/V and, per setting, what that setting's
 scorer observes of the queries (:meth:`Compressor.observe`). :meth:`CaptureCache.compressed`
-then builds the :class:`~pipeline.kv.cache.VarLenCache` a setting would have built during that
+then builds the :class:`~pipeline.kv.storage.cache.VarLenCache` a setting would have built during that
 prefill, handing each captured layer to the layer step of that cache's one-pass prefill
 (:mod:`.layers`; the test suite checks the kept sets equal separate runs). A chunked setting cannot
 be built from it (:func:`.rules.shares_capture`). Memory: the dense cache of
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import dense_prefill_attention
-from ..cache import ChunkCache, VarLenCache
+from ..attention.dense import dense_prefill_attention
+from ..attention.varlen_kernels import KernelChoice
 from ..compress import Compressor, PendingLayer
-from ..varlen_kernels import KernelChoice
+from ..storage.cache import ChunkCache, VarLenCache
 
 
 @dataclass

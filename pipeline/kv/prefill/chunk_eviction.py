@@ -7,7 +7,7 @@ Per chunk k (positions [k*C, (k+1)*C) of every row; rows that already ended are 
 1. each layer's attention: the chunk's queries attend to what the cache kept of the earlier chunks
    plus the chunk itself, causally (the first chunk: dense causal attention; later ones: the chunk is
    appended to the variable-length store and each segment is read in place, in blocks of queries,
-   :func:`~pipeline.kv.varlen_kernels.segmentwise_chunk_attention`). The scorer scores the
+   :func:`~pipeline.kv.attention.varlen_kernels.segmentwise_chunk_attention`). The scorer scores the
    chunk's own entries from the chunk alone (``observe`` on its queries / hidden states, ``score``
    with no observation window): the entries' *raw* scores, -inf on padding, +inf on sinks;
 2. after the whole chunk (every layer), :meth:`ChunkEviction.after_forward` selects, per layer, from
@@ -43,16 +43,16 @@ from __future__ import annotations
 import torch
 
 from ..allocation import row_budgets
-from ..attention import dense_prefill_attention
+from ..attention.dense import dense_prefill_attention
+from ..attention.varlen_kernels import segmentwise_chunk_attention
 from ..compress import Compressor, PendingLayer
 from ..parts import LayerContext
 from ..phases import Phase
 from ..scorers.common import window_mask
-from ..store import VarLenLayer
-from ..timing import BlockTimer
-from ..varlen_kernels import segmentwise_chunk_attention
+from ..storage.store import VarLenLayer
 from .base import PrefillStrategy, PrefillTarget
 from .held import kept_in_order, select_from_held
+from .timing import BlockTimer
 
 # attention weights (query heads x queries x entries) per call over one segment's held entries and the
 # chunk: 64 MiB in fp32 where a kernel materialises them (the fused CPU and CUDA kernels do not)

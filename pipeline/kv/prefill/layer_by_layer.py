@@ -8,7 +8,7 @@ the compressed cache at 0.4). Here the driver (:func:`pipeline.engine.layerwise.
 runs layer 0 over the whole context slice by slice, then layer 1, and so on:
 
 - each slice's queries attend to the layer's dense K/V of every earlier slice and of the slice itself
-  (:func:`~pipeline.kv.attention.slice_attention`), which is exactly the causal attention of one pass;
+  (:func:`~pipeline.kv.attention.dense.slice_attention`), which is exactly the causal attention of one pass;
   the layer's K/V are written into one (B, H_kv, T, D) buffer as the slices come;
 - the scorer observes each slice's queries / hidden states and the observations are merged
   (the scorer's ``merge_observed``);
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import slice_attention
+from ..attention.dense import slice_attention
 from .base import LayerStep, PrefillStrategy, PrefillTarget
 from .rules import layer_by_layer_refusal
 

@@ -15,8 +15,8 @@ and ends the prefill once the last layer is stored.
 from __future__ import annotations
 
 from ..compress import PendingLayer
-from ..timing import BlockTimer
 from .base import LayerStep, PrefillTarget
+from .timing import BlockTimer
 
 
 class AtOnce(LayerStep):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import dense_prefill_attention
+from ..attention.dense import dense_prefill_attention
 from .base import PrefillStrategy
 
 

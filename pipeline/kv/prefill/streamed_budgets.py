@@ -32,10 +32,10 @@ import torch
 
 from ..compress import PendingLayer
 from ..parts import LayerContext
-from ..store import VarLenLayer
-from ..timing import BlockTimer
+from ..storage.store import VarLenLayer
 from .base import LayerStep, PrefillTarget
 from .held import fit_width, kept_in_order, select_from_held
+from .timing import BlockTimer
 
 
 class StreamedBudgets(LayerStep):

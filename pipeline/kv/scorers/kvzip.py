@@ -2,7 +2,7 @@
 needs it to *reconstruct the context*. After the prefill, teacher-forced passes "repeat the previous
 context" over the cached context, chunk by chunk; an entry's score is the max of its attention
 weight over the reconstruction queries and the query heads of its KV group
-(:mod:`pipeline.kv.reconstruction`, driven by :mod:`pipeline.engine.reconstruction`). The scores
+(:mod:`pipeline.kv.prefill.reconstruction`, driven by :mod:`pipeline.engine.reconstruction`). The scores
 do not depend on any question, so one compressed cache serves every later question.
 
 The engine fills ``observed`` with those pass scores (the chat-template prefix, KVzip's sink, is

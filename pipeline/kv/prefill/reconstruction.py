@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from .cache import ChunkCache
-from .compress import PendingLayer
-from .value_norms import OutputProjection
+from ..compress import PendingLayer
+from ..storage.cache import ChunkCache
+from ..value_norms import OutputProjection
 
 _QUERY_BLOCK = 64
 

@@ -1,10 +1,10 @@
 """Attention kernels over the variable-length cache: which one runs, and the two accelerator paths.
 
-The cache (:class:`~pipeline.kv.store.VarLenLayer`) holds every (row, KV head) pair as its own
+The cache (:class:`~pipeline.kv.storage.store.VarLenLayer`) holds every (row, KV head) pair as its own
 sequence of kept entries in one flat buffer. Three ways to read it, all computing the same
 function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
 
-* ``reference`` (:func:`pipeline.kv.attention.varlen_attention`): padded (S, L) view, fp32
+* ``reference`` (:func:`pipeline.kv.attention.dense.varlen_attention`): padded (S, L) view, fp32
   logits and softmax. The only one that can return the attention probabilities, which the
   decode-time cap needs; the CPU default.
 * ``sdpa`` (:func:`sdpa_varlen_attention`): the same padded view and a boolean mask through
@@ -36,7 +36,7 @@ function (key j visible to query q iff ``0 <= pos_j <= pos_q``):
 * ``flat`` (:func:`flat_decode_attention`): one new token of a single-row ragged cache. Every query
   head is multiplied with all slots of the layer's flat buffer in one matmul, and the slots of
   other KV heads' segments, padding and unused capacity are masked with the store's cached
-  additive :meth:`~pipeline.kv.store.VarLenLayer.head_bias`. That is H_kv times the dot products
+  additive :meth:`~pipeline.kv.storage.store.VarLenLayer.head_bias`. That is H_kv times the dot products
   the segments need, in 4 ops instead of the blocked kernel's ~20: on SmolLM2 (3 KV heads) at one
   row a layer's step costs what the grouped matmuls over a uniform cache cost, where the blocked
   kernel costs about 2x. With several rows the waste grows with the rows (all rows' slots), so
@@ -142,7 +142,7 @@ def choose_kernel(query: torch.Tensor, need_probs: bool, forced: str | None = No
 def dense_decode_kernel(kernel: str, forced: str | None = None) -> str:
     """How one new token per row reads a uniform, padding-free cache's dense view, given the
     ``kernel`` :func:`choose_kernel` picked for the call: ``forced``, else ``sdpa`` when that kernel
-    is sdpa, else ``grouped`` (:func:`pipeline.kv.attention.grouped_decode_attention`), on CUDA too:
+    is sdpa, else ``grouped`` (:func:`pipeline.kv.attention.dense.grouped_decode_attention`), on CUDA too:
     on an H200 (torch 2.11, bf16, random Llama-3.1-8B shape at 32K, steps interleaved) a 20 % cache's
     step took 23.1 ms grouped against 58.3 ms through SDPA at one row and 26.3 against 59.8 ms at
     nine; SDPA's step costs the same whatever the cache holds (host bound), grouped matmuls do not

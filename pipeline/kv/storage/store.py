@@ -15,7 +15,7 @@ Once a layer has grown (:meth:`VarLenLayer.reserve`, before the question and the
 appended), every segment's capacity is a multiple of ``BLOCK`` and starts on a block boundary:
 ``keys.view(C // BLOCK, BLOCK, D)`` is a zero-copy block view in which every block belongs to one
 segment (:meth:`VarLenLayer.block_table`), and :meth:`VarLenLayer.head_bias` masks the flat
-buffer per KV head. The blocked and flat kernels (:mod:`pipeline.kv.varlen_kernels`) read ragged
+buffer per KV head. The blocked and flat kernels (:mod:`pipeline.kv.attention.varlen_kernels`) read ragged
 caches through them without gathering their entries.
 
 Uniform layouts (uniform budgets, and every decode step after them) are tracked on the Python

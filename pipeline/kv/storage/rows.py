@@ -1,4 +1,4 @@
-"""Rows of a :class:`~pipeline.kv.cache.VarLenCache` leaving and joining a decode batch.
+"""Rows of a :class:`~pipeline.kv.storage.cache.VarLenCache` leaving and joining a decode batch.
 
 A continuous decode batch (:mod:`pipeline.engine.continuous`) holds many compressed documents in one
 cache, one row each. Between two decode steps rows leave (their answer ended) and rows join (a new
@@ -7,7 +7,7 @@ layer**, so that what exists at once is the batch's cache plus one layer's copy,
 
 Each kept segment keeps its capacity (the room reserved for its question and answer), so a row's
 later appends do not reallocate; the rebuilt layout starts every segment where the previous ends,
-which keeps the block alignment of grown layers (:mod:`pipeline.kv.store`).
+which keeps the block alignment of grown layers (:mod:`pipeline.kv.storage.store`).
 """
 
 from __future__ import annotations

@@ -7,16 +7,16 @@ Life of a batch (driven by :class:`pipeline.engine.Engine` through :func:`run_ch
    :meth:`VarLenCache.attend`. Until the context is compressed both go to the prefill strategy under
    way (:attr:`VarLenCache.prefill`, :mod:`pipeline.kv.prefill`: one pass by default; the engine
    starts another with :meth:`VarLenCache.begin_prefill`), which stores each layer's kept entries in an
-   exactly-sized :class:`~pipeline.kv.store.VarLenLayer` and ends the prefill.
+   exactly-sized :class:`~pipeline.kv.storage.store.VarLenLayer` and ends the prefill.
 2. Later chunks (question tokens, then one token per decode step): ``update`` appends to every
    segment, :meth:`attend` runs attention over the variable-length segments with the kernel
-   :func:`~pipeline.kv.varlen_kernels.choose_kernel` picks (on CPU the blocked kernel, and for a
+   :func:`~pipeline.kv.attention.varlen_kernels.choose_kernel` picks (on CPU the blocked kernel, and for a
    single row's decode step the flat one; on CUDA flash-attn's varlen kernel, or without it the
    blocked kernel for decode steps and SDPA for longer chunks; the fp32
    reference when the decode cap needs probabilities). A decode step over a uniform, padding-free cache (uniform
    budgets) skips all of that: it reads a zero-copy (B, H_kv, L, D) view of the store with grouped
-   matmuls (:func:`~pipeline.kv.attention.grouped_decode_attention`, CPU and CUDA; SDPA if forced).
-3. Optional decode-time cap (``max_cache_tokens``, :mod:`pipeline.kv.decode_cap`).
+   matmuls (:func:`~pipeline.kv.attention.dense.grouped_decode_attention`, CPU and CUDA; SDPA if forced).
+3. Optional decode-time cap (``max_cache_tokens``, :mod:`pipeline.kv.storage.decode_cap`).
 
 The cache itself is storage, decode and rollback; :meth:`kept_positions` reads back the original
 positions held for (layer, row, head).
@@ -30,19 +30,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from .attention import (
-    cache_keyword,
-    grouped_decode_attention,
-    recorded_attention_inputs,
-    varlen_attention,
-)
-from .compress import Compressor, LayerSelection
-from .decode_cap import DecodeCap
-from .prefill.base import PrefillStrategy
-from .prefill.build import start_prefill
-from .prefill.rules import PrefillPlan, layer_timing
-from .store import VarLenLayer
-from .varlen_kernels import (
+from ..attention.dense import grouped_decode_attention, varlen_attention
+from ..attention.registered import cache_keyword, recorded_attention_inputs
+from ..attention.varlen_kernels import (
     KernelChoice,
     blocked_attention,
     choose_kernel,
@@ -52,6 +42,12 @@ from .varlen_kernels import (
     ragged_decode_kernel,
     sdpa_varlen_attention,
 )
+from ..compress import Compressor, LayerSelection
+from ..prefill.base import PrefillStrategy
+from ..prefill.build import start_prefill
+from ..prefill.rules import PrefillPlan, layer_timing
+from .decode_cap import DecodeCap
+from .store import VarLenLayer
 
 
 class ChunkCache(Cache):
@@ -122,7 +118,7 @@ class ChunkCache(Cache):
 def run_chunk(model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs):
     """One forward of ``model`` over a chunk of tokens with ``cache`` (the only way the caches of this
     package are driven). input_ids, positions: (B, T), positions -1 on padding. The model must use the
-    registered attention (:func:`pipeline.kv.attention.register`). Returns the model's output."""
+    registered attention (:func:`pipeline.kv.attention.registered.register`). Returns the model's output."""
     cache.begin_chunk(positions)
     recording = recorded_attention_inputs(model, cache.hidden_states) if cache.wants_hidden_states else nullcontext()
     try:
@@ -146,7 +142,7 @@ class VarLenCache(ChunkCache):
         self, num_layers: int, compressor: Compressor, kernels: KernelChoice | None = None, compressed: bool = False
     ) -> None:
         """``compressed``: the cache will hold rows of caches that are compressed already (they join it,
-        :func:`~pipeline.kv.rows.regroup`), so it never prefills."""
+        :func:`~pipeline.kv.storage.rows.regroup`), so it never prefills."""
         super().__init__(num_layers)
         self.compressor = compressor
         # decided once (by the engine, which passes its choice; else here), never per attention call

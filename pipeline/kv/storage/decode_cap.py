@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .compress import Compressor, LayerSelection
-from .ranking import rank_desc
+from ..compress import Compressor, LayerSelection
+from ..ranking import rank_desc
 from .store import VarLenLayer
 
 
@@ -40,7 +40,7 @@ class DecodeCap:
         """Accumulate the chunk's attention, give the new entries their norms, evict above the cap.
 
         probs: (B, H_kv, G, T, L) attention of the chunk's T queries over the padded view of
-        ``layer`` (see :func:`pipeline.kv.attention.varlen_attention`); new_values: (B, H_kv, T, D)
+        ``layer`` (see :func:`pipeline.kv.attention.dense.varlen_attention`); new_values: (B, H_kv, T, D)
         values appended by this chunk (None when nothing was appended); real_queries: (B, T) bool,
         False on a left-padded chunk's padding, whose attention (it attends to keep its softmax finite)
         is not the row's and is not accumulated.
