@@ -7,10 +7,9 @@ Runs, one after another with this Python (``make bench`` = this script, full siz
 3. ``pipeline_overhead``      Ray pipeline vs plain loop (skipped if the module is absent)
 4. ``kvpress.vs_kvpress``     side by side with kvpress 0.5.5 (creates its venv on first use)
 5. ``full_cache_scaling``     full cache vs criticalkv-adakv-snapkv as the context grows
-6. ``decode_paths``           the decode step: previous CPU path vs current, identical tokens
-7. ``ragged_decode``          a ragged cache's decode step, flat vs blocked kernel, vs a uniform cache
-8. ``compile_probe``          torch.compile of transformers' static-cache decode step vs eager
-9. ``prefill_memory``         peak RSS of one document, ours vs transformers' DynamicCache
+6. ``ragged_decode``          a ragged cache's decode step, flat vs blocked kernel, vs a uniform cache
+7. ``compile_probe``          torch.compile of transformers' static-cache decode step vs eager
+8. ``prefill_memory``         peak RSS of one document, ours vs transformers' DynamicCache
 
 Each script's stdout is shown live and saved to ``benchmarks/results/<name>.md`` (``--quick``:
 ``benchmarks/results/quick/``); everything is
@@ -67,7 +66,6 @@ FULL = {
         "--decode-steps": "16",
         "--out": "",
     },
-    "decode_paths": {"--lengths": "2048,8192", "--repeats": "3", "--out": ""},
     "ragged_decode": {"--lengths": "2048,4096,8192", "--out": ""},
     "compile_probe": {"--length": "2048", "--out": ""},
     "prefill_memory": {"--lengths": "2048,4096", "--repeats": "3", "--out": ""},
@@ -91,7 +89,6 @@ QUICK = {
         "--decode-steps": "4",
         "--out": "",
     },
-    "decode_paths": {"--lengths": "512", "--repeats": "1", "--steps": "6", "--out": ""},
     "ragged_decode": {"--lengths": "512", "--steps": "6", "--out": ""},
     "compile_probe": {"--length": "256", "--steps": "4", "--out": ""},
     "prefill_memory": {"--lengths": "512", "--repeats": "1", "--out": ""},

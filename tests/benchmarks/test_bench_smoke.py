@@ -162,26 +162,6 @@ def test_method_costs_measure_on_tiny_model():
     assert method_costs.forward_flops(loaded.model, [n, *passes]) == pytest.approx(naive_plain + naive_pass)
 
 
-def test_decode_paths_compare_the_same_greedy_tokens(tiny, monkeypatch):
-    from benchmarks import decode_paths
-
-    monkeypatch.setenv(decode_paths.DENSE_ENV, "")
-    monkeypatch.setenv(decode_paths.RAGGED_ENV, "")
-    ids = torch.randint(3, 200, (1, 48), generator=torch.Generator().manual_seed(0))
-    res = decode_paths.measure(tiny.model, ids, cache_size=0.5, steps=4, repeats=2)
-    assert set(res) == {(m, p) for m in decode_paths.CACHES for p in decode_paths.PATHS}
-    for method in decode_paths.CACHES:
-        previous, current = res[(method, "previous")], res[(method, "current")]
-        assert len(previous["ms"]) == 2 and previous["tokens"] == current["tokens"]
-    assert res[("none", "previous")]["kernels"] == ["dense-sdpa"]
-    assert res[("none", "current")]["kernels"] == ["dense-grouped"]
-    ragged_ids = torch.randint(3, 200, (1, 128), generator=torch.Generator().manual_seed(0))
-    ragged = decode_paths.measure(tiny.model, ragged_ids, cache_size=0.5, steps=4, repeats=1)
-    assert ragged[(decode_paths.RAGGED, "previous")]["kernels"] == ["blocked"]
-    assert ragged[(decode_paths.RAGGED, "current")]["kernels"] == ["flat"]
-    assert tiny.model.model.layers[0].mlp.up_proj.weight.stride()[0] == 1  # left on the current path
-
-
 def test_ragged_decode_interleaves_both_kernels_on_one_cache(tiny, monkeypatch):
     from benchmarks import ragged_decode
     from pipeline.kv.attention.varlen_kernels import RAGGED_ENV
