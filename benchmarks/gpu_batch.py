@@ -6,7 +6,7 @@ tokenizer, and decode throughput at a fixed KV memory budget.
   tokenizer: the instructions are runs of fixed token ids about as long as the real ones, so a pass
   costs what it costs in a job (random weights make the scores meaningless, not the time).
 * :func:`measure_throughput`: tokens/s of greedy decode steps at the largest batch whose caches fit
-  ``budget_bytes`` of KV memory (the question of "Throughput from the freed memory": what the freed
+  ``memory_bytes`` of KV memory (the question of "Throughput from the freed memory": what the freed
   memory buys). One document's compressed cache is given; the batch is its row copied ``B`` times
   (:meth:`pipeline.kv.storage.store.VarLenLayer.concat`), which costs the decode exactly what ``B``
   different documents of the same kept lengths cost. ``B = floor(budget / bytes of one row)``
@@ -137,10 +137,10 @@ def batch_of(cache: VarLenCache, rows: int, kernels: KernelChoice | None = None)
 
 @torch.inference_mode()
 def measure_throughput(
-    model, one: VarLenCache, budget_bytes: int, steps: int, warmup: int, kernels: KernelChoice | None = None
+    model, one: VarLenCache, memory_bytes: int, steps: int, warmup: int, kernels: KernelChoice | None = None
 ) -> dict:
     """Decode tokens/s of the largest batch of copies of ``one`` (a compressed single-row cache) that
-    fits ``budget_bytes``, read with ``kernels`` (None: chosen per call).
+    fits ``memory_bytes``, read with ``kernels`` (None: chosen per call).
 
     Returns batch, row bytes, KV bytes held, median ms per step, tokens/s, the attention kernel and
     the peak memory of the decode (CUDA)."""
@@ -148,7 +148,7 @@ def measure_throughput(
     start = max(int(layer.positions.max()) for layer in one.store) + 1  # after what the row holds
     one.reserve(steps + warmup + 1)
     row_bytes = int(one.nbytes())
-    rows = max(1, min(MAX_BATCH, budget_bytes // row_bytes))
+    rows = max(1, min(MAX_BATCH, memory_bytes // row_bytes))
     batch = batch_of(one, rows, kernels)
     held = int(batch.nbytes())  # at most rows x row_bytes (a single row also caches its flat-kernel mask)
     if device.type == "cuda":

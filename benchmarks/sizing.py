@@ -7,7 +7,7 @@ default KV memory with the full cache and with compressed caches.
 The formula is the store's (:meth:`pipeline.kv.storage.store.VarLenLayer.bytes_per_row`): per layer, KV head
 and kept token, K and V (``head_dim`` values each, bf16) plus an int32 original position. The decode
 batch's default KV memory is 70 % of the GPU memory free once the model is loaded
-(:func:`pipeline.engine.memory.default_kv_budget`), taken here as the GPU's memory less the weights and
+(:func:`pipeline.engine.memory.default_kv_memory`), taken here as the GPU's memory less the weights and
 1 GiB for the CUDA context. Not counted: a document's prefill activations (the MLP runs 512 tokens at a
 time), each row's question and answer slots, and the window a small cache keeps whole.
 """

@@ -1,11 +1,11 @@
 """Admission to the decode loop (:mod:`.continuous`): each waiting row gets its compressed context
 from its source (its own one-row cache), its first question prefilled and room reserved for its answer,
-and joins the decode batch while the footprints of the rows there plus its own fit the KV budget.
+and joins the decode batch while the footprints of the rows there plus its own fit the KV memory (``kv_memory``).
 
-Before a row is opened its bytes are estimated by its source (a document source: from the budget rule
+Before a row is opened its bytes are estimated by its source (a document source: from its kept entries
 and the store's own footprint rule, :func:`~pipeline.kv.storage.store.segment_bytes`); once its question is
-asked its footprint is exact (its cache's bytes). A row larger than the whole budget decodes alone (a
-warning says so). At most one opened row waits for room, so memory stays within the budget + one
+asked its footprint is exact (its cache's bytes). A row larger than the whole KV memory decodes alone (a
+warning says so). At most one opened row waits for room, so memory stays within the KV memory + one
 document's prefill + the model. A source whose contexts exist already (``together``: a batch of
 documents prefilled together, a sweep's settings) has every row join at once, first questions
 prefilled together.
@@ -34,19 +34,19 @@ class Admission:
     keeps its mark at its question's end; ``failed``: where a row that cannot be opened is recorded."""
 
     def __init__(
-        self, runner: ModelRunner, source, compressor: Compressor, budget: float, fidelity: bool, failed: dict
+        self, runner: ModelRunner, source, compressor: Compressor, memory: float, fidelity: bool, failed: dict
     ) -> None:
-        self.runner, self.source, self.compressor, self.budget = runner, source, compressor, budget
+        self.runner, self.source, self.compressor, self.memory = runner, source, compressor, memory
         self.fidelity, self.failed = fidelity, failed
         self.capped = compressor.config.max_cache_tokens is not None
 
     def admit(self, rows, waiting: deque, ready: list, active: list, joining: list) -> None:
-        """Open waiting rows and let them join while their footprints fit the budget."""
+        """Open waiting rows and let them join while their footprints fit the KV memory."""
         used = sum(seq.footprint for seq in active) + sum(seq.footprint for seqs, _ in joining for seq in seqs)
         while waiting or ready:
             if not ready:
                 index = waiting[0]
-                if (active or joining) and used + self.source.estimate(index, rows[index]) > self.budget:
+                if (active or joining) and used + self.source.estimate(index, rows[index]) > self.memory:
                     return
                 waiting.popleft()
                 try:
@@ -57,14 +57,14 @@ class Admission:
                     continue
             seq, one = ready[0]
             if active or joining:
-                if used + seq.footprint > self.budget:
+                if used + seq.footprint > self.memory:
                     return
-            elif seq.footprint > self.budget:
+            elif seq.footprint > self.memory:
                 logger.warning(
                     "doc %r needs %.1f MiB of KV cache, more than kv_memory (%.1f MiB): it decodes alone",
                     seq.row.request.doc_id,
                     seq.footprint / 2**20,
-                    self.budget / 2**20,
+                    self.memory / 2**20,
                 )
             seq, one = ready.pop()
             joining.append(([seq], one))

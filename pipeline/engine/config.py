@@ -118,7 +118,7 @@ class DecodingConfig(_GenerationOptions):
 
 
 class ContinuousBatching(_Strict):
-    """The batch jobs' decode batch: continuous, within a KV memory budget."""
+    """The batch jobs' decode batch: continuous, within a KV memory."""
 
     continuous: bool = Field(
         True,

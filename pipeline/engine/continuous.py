@@ -1,4 +1,4 @@
-"""The one decode loop: rows decoded together within a KV memory budget, each leaving as its answer
+"""The one decode loop: rows decoded together within a KV memory (``kv_memory``), each leaving as its answer
 ends and waiting rows joining as memory frees (admission: :mod:`.admission`; answer fidelity:
 :class:`~.fidelity.FidelityMeter`).
 
@@ -11,9 +11,9 @@ and the batch path (documents prefilled together, a sweep's settings built from 
 1. rows wait in input order. The next one gets its compressed context from its source (its own
    one-row cache), its first question prefilled and room reserved for its answer: its footprint is
    then exact (its cache's bytes);
-2. it joins the decode batch while the footprints of the rows there plus its own fit the budget.
-   A row larger than the whole budget decodes alone (a warning says so). At most one opened row
-   waits for room, so memory stays within the budget + one document's prefill + the model;
+2. it joins the decode batch while the footprints of the rows there plus its own fit the KV memory.
+   A row larger than the whole KV memory decodes alone (a warning says so). At most one opened row
+   waits for room, so memory stays within the KV memory + one document's prefill + the model;
 3. one greedy step decodes every row of the batch. A row whose answer ends (EOS or its limit) leaves
    at once: with another question its context is rolled back, the question prefilled alone and the
    row joins again; otherwise its answers are done. Leaving and joining rebuild the batch's cache
@@ -63,7 +63,7 @@ class ContinuousBatch:
         self,
         runner: ModelRunner,
         compressor: Compressor,
-        budget_bytes: float,
+        memory_bytes: float,
         source=None,
         fidelity: bool = False,
         references: References | None = None,
@@ -78,7 +78,7 @@ class ContinuousBatch:
         self.capped = compressor.config.max_cache_tokens is not None
         self.done: dict[int, Sequence] = {}
         self.failed: dict[int, Exception] = {}
-        self.admission = Admission(runner, self.source, compressor, budget_bytes, fidelity, self.failed)
+        self.admission = Admission(runner, self.source, compressor, memory_bytes, fidelity, self.failed)
         self.largest_batch = 0  # rows decoded together at most (diagnostics, tests)
         self.largest_bytes = 0  # the batch's cache at most, in bytes
         self.steps = self.row_steps = 0  # decode steps, and rows decoded summed over them (occupancy)

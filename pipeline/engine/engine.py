@@ -4,7 +4,7 @@ question of each context from that cache with greedy decoding.
 Two decode paths, one flow each:
 
 - the continuous batch (:mod:`pipeline.engine.continuous`, the jobs' default): documents prefilled
-  and compressed one by one, decoded together within a KV memory budget, rows leaving and joining;
+  and compressed one by one, decoded together within a KV memory (``kv_memory``), rows leaving and joining;
 - the batch path (:mod:`pipeline.engine.sweep`): a batch of documents left padded together
   (:mod:`pipeline.engine.batching`), prefilled once, every compression setting's cache decoded side
   by side. A sweep has many settings; a plain batch (``continuous`` off, a decode-time cap, a document
@@ -46,7 +46,7 @@ from .decoding import Decoder
 from .emitter import DocumentCallback, DocumentEmitter
 from .kvzap_file import load_kvzap, resolve_kvzap
 from .loading import LoadedModel, load_model
-from .memory import default_kv_budget, device_label
+from .memory import default_kv_memory, device_label
 from .prefill import ContextPrefill
 from .priors import load_head_priors, resolve_head_priors
 from .prompts import PromptBuilder
@@ -88,7 +88,7 @@ class Engine:
         self.generation = GenerationConfig.of(generation)
         self.max_context_tokens = max_context_tokens or getattr(cfg, "max_position_embeddings", None)
         self.last_continuous: ContinuousBatch | None = None
-        self._kv_budget: int | None = None  # kv_budget_bytes, once decided
+        self._kv_memory: int | None = None  # kv_memory_bytes, once decided
         self._kvzap_cache: dict = {}  # file -> KVzapModel: one load per file for every setting
         self.compressor = self.make_compressor(self.compression)
         self.kernels = KernelChoice.from_environment()  # the attention kernels, chosen once for every cache
@@ -161,19 +161,19 @@ class Engine:
     @property
     def continuous(self) -> bool:
         """Whether :meth:`generate` admits documents one by one into the decode loop within the KV
-        budget (``continuous``); otherwise a call's documents are prefilled together first."""
+        memory (``continuous``); otherwise a call's documents are prefilled together first."""
         return self.generation.continuous
 
     @property
-    def kv_budget_bytes(self) -> int:
-        """The continuous batch's KV memory: ``kv_memory`` MiB, else :func:`default_kv_budget`,
+    def kv_memory_bytes(self) -> int:
+        """The continuous batch's KV memory: ``kv_memory`` MiB, else :func:`default_kv_memory`,
         decided once (the first time, after the model is loaded) and logged."""
         if self.generation.kv_memory is not None:
             return int(self.generation.kv_memory * 2**20)
-        if self._kv_budget is None:
-            self._kv_budget = default_kv_budget(self.device)
-            logger.info("continuous decode batch: up to %.0f MiB of KV cache (default)", self._kv_budget / 2**20)
-        return self._kv_budget
+        if self._kv_memory is None:
+            self._kv_memory = default_kv_memory(self.device)
+            logger.info("continuous decode batch: up to %.0f MiB of KV cache (default)", self._kv_memory / 2**20)
+        return self._kv_memory
 
     def generate_sweep(self, requests: list[Request], compressions: list[CompressionConfig]) -> list[list[Answer]]:
         """Answers for several compression settings from ONE prefill per batch.
@@ -302,7 +302,7 @@ class Engine:
     ) -> list[Answer]:
         """Every row through one continuous decode batch; a row it could not answer runs alone.
         ``on_row(k, answers)`` hears each row's answers as soon as they are known."""
-        batch = ContinuousBatch(self.runner, self.compressor, self.kv_budget_bytes, on_done=on_row)
+        batch = ContinuousBatch(self.runner, self.compressor, self.kv_memory_bytes, on_done=on_row)
         results = batch.run(rows)
         self.last_continuous = batch  # its occupancy and memory figures, for callers that report them
         answers = []

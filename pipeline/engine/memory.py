@@ -14,7 +14,7 @@ import time
 import psutil
 import torch
 
-GPU_KV_SHARE, CPU_KV_SHARE = 0.7, 0.25  # of the free GPU memory / available RAM (default_kv_budget)
+GPU_KV_SHARE, CPU_KV_SHARE = 0.7, 0.25  # of the free GPU memory / available RAM (default_kv_memory)
 
 
 class PeakMemory:
@@ -59,7 +59,7 @@ def proc_status_bytes(key: str) -> int | None:
     return None
 
 
-def default_kv_budget(device: torch.device) -> int:
+def default_kv_memory(device: torch.device) -> int:
     """Bytes of KV cache a continuous decode batch may hold when ``kv_memory`` is not given: 70 % of the
     GPU memory free now (call it once the model is loaded; the rest is left for one document's prefill
     activations), on CPU 25 % of the RAM the system reports available now."""

@@ -75,7 +75,7 @@ class Sequence:
 class DocumentSource:
     """Each row prefilled and compressed alone with ``compressor`` when it is admitted."""
 
-    together = False  # rows open one by one, as the budget admits them
+    together = False  # rows open one by one, as the KV memory admits them
 
     def __init__(self, runner: ModelRunner, compressor: Compressor) -> None:
         self.runner, self.compressor = runner, compressor

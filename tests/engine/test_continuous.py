@@ -116,11 +116,11 @@ def test_the_default_budget_is_a_share_of_the_memory_available(tmp_path, monkeyp
     available = [8 * 2**30]
     monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: type("VM", (), {"available": available[0]})())
     engine = _engine("snapkv", tmp=tmp_path, batch_size=5)
-    assert engine.continuous and engine.kv_budget_bytes == 2 * 2**30
+    assert engine.continuous and engine.kv_memory_bytes == 2 * 2**30
     available[0] = 2**30
-    assert engine.kv_budget_bytes == 2 * 2**30  # decided once, not per call
+    assert engine.kv_memory_bytes == 2 * 2**30  # decided once, not per call
     engine.generation.kv_memory = 3.5
-    assert engine.kv_budget_bytes == int(3.5 * 2**20)  # --kv-memory wins
+    assert engine.kv_memory_bytes == int(3.5 * 2**20)  # --kv-memory wins
     assert not _engine("snapkv", tmp=tmp_path, continuous=False).continuous
 
 
@@ -198,7 +198,7 @@ def test_decode_capped_rows_answer_each_question_from_their_compressed_context(m
     admitted.generation.kv_memory = _budget_for(admitted, requests, 1)
     assert _fields(admitted.generate(requests)) == _fields(together)
     assert 1 < admitted.last_continuous.largest_batch < len(requests)  # the budget held some back
-    assert 0 < admitted.last_continuous.largest_bytes <= admitted.kv_budget_bytes
+    assert 0 < admitted.last_continuous.largest_bytes <= admitted.kv_memory_bytes
 
 
 def test_sweep_rows_leave_and_fidelity_is_unchanged(step_sizes, tmp_path):
