@@ -75,7 +75,6 @@ class ContinuousBatch:
         self.source = source or DocumentSource(runner, compressor)
         self.fidelity = FidelityMeter(runner, compressor, references) if fidelity else None
         self.decoder = runner.decoder
-        self.capped = compressor.config.max_cache_tokens is not None
         self.done: dict[int, Sequence] = {}
         self.failed: dict[int, Exception] = {}
         self.admission = Admission(runner, self.source, compressor, memory_bytes, fidelity, self.failed)
