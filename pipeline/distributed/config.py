@@ -311,7 +311,8 @@ class JobConfig(CommandLineConfig):
             "compression": self.compression.model_dump(mode="json"),
             "sweep": [c.model_dump(mode="json") for c in self.sweep],
             "generation": self.generation.model_dump(
-                mode="json", exclude={"batch_size", "settings_per_decode", "continuous", "kv_memory"}
+                mode="json",
+                exclude={"batch_size", "settings_per_decode", "continuous", "kv_memory", "decode_between_prefills"},
             ),
         }
 

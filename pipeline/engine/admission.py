@@ -6,9 +6,12 @@ Before a row is opened its bytes are estimated by its source (a document source:
 and the store's own footprint rule, :func:`~pipeline.kv.storage.store.segment_bytes`); once its question is
 asked its footprint is exact (its cache's bytes). A row larger than the whole KV memory decodes alone (a
 warning says so). At most one opened row waits for room, so memory stays within the KV memory + one
-document's prefill + the model. A source whose contexts exist already (``together``: a batch of
-documents prefilled together, a sweep's settings) has every row join at once, first questions
-prefilled together.
+document's prefill + the model. While rows decode, the next waiting row is opened only after they
+have decoded for ``decode_between_prefills`` times the last opening's seconds, so that the first
+documents of a call finish (and are committed) while later ones are still to be prefilled, at the cost
+of decode steps with fewer rows (0: open every row that fits first). A source whose contexts exist
+already (``together``: a batch of documents prefilled together, a sweep's settings) has every row join
+at once, first questions prefilled together.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ class Admission:
         self.runner, self.source, self.compressor, self.memory = runner, source, compressor, memory
         self.fidelity, self.failed = fidelity, failed
         self.capped = compressor.config.max_cache_tokens is not None
+        self.pause = runner.generation.decode_between_prefills
+        self.last_open = (0.0, 0.0)  # (seconds, end time) of the last row opened
+
+    def paced(self, decoding: bool) -> bool:
+        """Whether the next waiting row must wait for the decoding rows (``decode_between_prefills``):
+        since the last row was opened they have decoded for less than ``pause`` times its opening."""
+        if not decoding or not self.pause:
+            return False
+        seconds, ended = self.last_open
+        return now(self.runner.device) - ended < self.pause * seconds
 
     def admit(self, rows, waiting: deque, ready: list, active: list, joining: list) -> None:
         """Open waiting rows and let them join while their footprints fit the KV memory."""
@@ -46,15 +59,21 @@ class Admission:
         while waiting or ready:
             if not ready:
                 index = waiting[0]
+                if self.paced(bool(active or joining)):
+                    return
                 if (active or joining) and used + self.source.estimate(index, rows[index]) > self.memory:
                     return
                 waiting.popleft()
+                started = now(self.runner.device)
                 try:
                     ready.append(self._open(index, rows[index]))
                 except Exception as exc:  # this row alone fails
                     self.runner.release_memory()
                     self.failed[index] = exc
                     continue
+                finally:
+                    ended = now(self.runner.device)
+                    self.last_open = (ended - started, ended)
             seq, one = ready[0]
             if active or joining:
                 if used + seq.footprint > self.memory:

@@ -81,7 +81,14 @@ class ModelConfig(_Strict):
         return value.strip()
 
 
-GENERATION_HELP_ORDER = ("max_new_tokens", "batch_size", "settings_per_decode", "continuous", "kv_memory")
+GENERATION_HELP_ORDER = (
+    "max_new_tokens",
+    "batch_size",
+    "settings_per_decode",
+    "continuous",
+    "kv_memory",
+    "decode_between_prefills",
+)
 
 
 class _GenerationOptions(_Strict, CommandLineConfig):
@@ -125,6 +132,17 @@ class ContinuousBatching(_Strict):
         description="the documents of an actor call are prefilled one by one and decoded together while their "
         "caches fit --kv-memory, rows leaving as their answers end and waiting documents joining as memory frees; "
         "off: prefilled together (left padded), then decoded in the same loop (as sweeps are)",
+    )
+    # measured in docs/BENCHMARKS.md ("Documents committed as they finish"): the first answers of a call
+    # are committed early for a few per cent of wall time where answers are long, nothing where short
+    decode_between_prefills: float = Field(
+        0.25,
+        ge=0,
+        le=100,
+        description="while documents of a call wait to be prefilled, the rows already decoding take decode "
+        "steps for this many times the last document's prefill time before the next prefill (0: every "
+        "waiting document that fits is prefilled first, the fullest decode batch; higher: the first answers "
+        "end, and are committed, sooner, at the cost of decode steps with fewer rows)",
     )
     kv_memory: float | None = Field(
         None,

@@ -13,7 +13,9 @@ and the batch path (documents prefilled together, a sweep's settings built from 
    then exact (its cache's bytes);
 2. it joins the decode batch while the footprints of the rows there plus its own fit the KV memory.
    A row larger than the whole KV memory decodes alone (a warning says so). At most one opened row
-   waits for room, so memory stays within the KV memory + one document's prefill + the model;
+   waits for room, so memory stays within the KV memory + one document's prefill + the model. While rows
+   decode, the next document is prefilled only after they have decoded for ``decode_between_prefills``
+   times the last prefill's seconds (the first answers end, and are committed, sooner);
 3. one greedy step decodes every row of the batch. A row whose answer ends (EOS or its limit) leaves
    at once: with another question its context is rolled back, the question prefilled alone and the
    row joins again; otherwise its answers are done. Leaving and joining rebuild the batch's cache

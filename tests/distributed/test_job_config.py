@@ -118,6 +118,22 @@ def test_the_automatic_batch_size_fills_calls_without_idling_actors():
     assert config_from_args("summarize", ["--num-actors", "2"]).batch_size_for(5) == 3
 
 
+def test_a_rerun_may_change_how_rows_are_computed_but_not_what_they_mean():
+    """The fingerprint a resumed run must match ignores batching, the KV memory, the prefill pacing and
+    the layerwise prefill's slicing (the same answers), and not the decoding limits or the method."""
+    base = config_from_args("longdoc_qa", []).fingerprint()
+    for flags in (
+        ["--batch-size", "3"],
+        ["--kv-memory", "64"],
+        ["--no-continuous"],
+        ["--decode-between-prefills", "0"],
+        ["--layerwise-prefill", "512"],
+    ):
+        assert config_from_args("longdoc_qa", flags).fingerprint() == base, flags
+    for flags in (["--max-new-tokens", "9"], ["--cache-size", "0.3"], ["--method", "none"]):
+        assert config_from_args("longdoc_qa", flags).fingerprint() != base, flags
+
+
 def test_method_parts_and_spelling_are_one_setting(tmp_path):
     by_parts = config_from_args("longdoc_qa", ["--scorer", "snapkv", "--allocation", "headkv", "--selection", "topk"])
     by_name = config_from_args("longdoc_qa", ["--method", "headkv-snapkv"])

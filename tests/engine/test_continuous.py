@@ -15,6 +15,8 @@ on tiny random models.
 import pytest
 
 from pipeline import hooks
+from pipeline.engine import admission as admission_module
+from pipeline.engine.admission import Admission
 from pipeline.engine.config import GenerationConfig
 from pipeline.engine.continuous import ContinuousBatch
 from pipeline.engine.engine import Engine
@@ -40,7 +42,9 @@ def _requests():
     ]
 
 
-def _engine(method, kv_memory=None, batch_size=1, tmp=None, arch="llama", continuous=True, **kw):
+def _engine(
+    method, kv_memory=None, batch_size=1, tmp=None, arch="llama", continuous=True, decode_between_prefills=0.0, **kw
+):
     """The engine under test; ``continuous=False`` (the batch path, one document per call) makes the
     independent reference of "each document alone"."""
     loaded = tiny_loaded(arch)
@@ -50,7 +54,13 @@ def _engine(method, kv_memory=None, batch_size=1, tmp=None, arch="llama", contin
     if CompressionConfig(method=method).needs_head_priors:
         extra["head_priors"] = _priors(tmp)
     comp = CompressionConfig(method=method, cache_size=0.4, window=4, kernel=3, **extra, **kw)
-    generation = GenerationConfig(max_new_tokens=10, batch_size=batch_size, kv_memory=kv_memory, continuous=continuous)
+    generation = GenerationConfig(
+        max_new_tokens=10,
+        batch_size=batch_size,
+        kv_memory=kv_memory,
+        continuous=continuous,
+        decode_between_prefills=decode_between_prefills,
+    )
     return Engine(loaded, comp, generation)
 
 
@@ -266,3 +276,50 @@ def test_a_documents_estimate_bounds_its_footprint_by_the_stores_own_rule(knobs,
         per_slot = segment_bytes(1, shape.head_dim, shape.itemsize, bool(knobs)) - segment_bytes(0, 1, 1, False)
         rounding = shape.num_layers * shape.num_kv_heads * (BLOCK - 1) * per_slot
         assert held <= source.estimate(0, row) <= held + rounding, request.doc_id
+
+
+@pytest.mark.parametrize("method", ["snapkv", "criticalkv-shares-kvzap"])
+@pytest.mark.parametrize("pause", [0.5, 100.0])
+def test_decode_between_prefills_leaves_the_answers_unchanged(method, pause, tmp_path):
+    requests = _requests()
+    alone = _engine(method, tmp=tmp_path, continuous=False).generate(requests)
+    engine = _engine(method, tmp=tmp_path, batch_size=5, decode_between_prefills=pause)
+    engine.generation.kv_memory = _budget_for(engine, requests, 5)
+    assert _fields(engine.generate(requests)) == _fields(alone)
+
+
+@pytest.mark.parametrize("pause", [0.0, 100.0])
+def test_decode_between_prefills_paces_the_prefills(pause, step_sizes, tmp_path):
+    """0: every document that fits is prefilled before the first step (the four that need a step decode
+    together);
+    a pause far longer than a tiny answer takes: each document is answered before the next is prefilled
+    (every step decodes one row, documents handed on in input order)."""
+    requests = _requests()
+    engine = _engine("snapkv", tmp=tmp_path, batch_size=5, decode_between_prefills=pause)
+    engine.generation.kv_memory = _budget_for(engine, requests, 5)
+    heard = []
+    engine.generate(requests, on_document=lambda i, got: heard.append(requests[i].doc_id))
+    if pause:
+        assert set(step_sizes) == {1} and heard == ["a", "b", "c", "d", "e"]
+    else:
+        assert step_sizes[0] == 4 and heard[:2] != ["a", "b"]  # "e" (1 token) ends at its question
+
+
+def test_the_next_prefill_waits_for_its_share_of_decode_time(monkeypatch, tmp_path):
+    """The rule on a clock the test sets: the next document waits while the decoding rows have run for
+    less than ``decode_between_prefills`` times the last prefill's seconds; never when none decode."""
+    clock = [100.0]
+    monkeypatch.setattr(admission_module, "now", lambda device: clock[0])
+    engine = _engine("snapkv", tmp=tmp_path, decode_between_prefills=0.5)
+    gate = Admission(engine.runner, DocumentSource(engine.runner, engine.compressor), engine.compressor, 1e9, False, {})
+    gate.last_open = (2.0, 100.0)  # a 2 s prefill that ended now
+    assert gate.paced(decoding=True) and not gate.paced(decoding=False)
+    clock[0] = 100.9
+    assert gate.paced(decoding=True)
+    clock[0] = 101.0
+    assert not gate.paced(decoding=True)
+    engine.runner.generation.decode_between_prefills = 0.0
+    gate = Admission(engine.runner, DocumentSource(engine.runner, engine.compressor), engine.compressor, 1e9, False, {})
+    gate.last_open = (2.0, 100.0)
+    clock[0] = 100.0
+    assert not gate.paced(decoding=True)
