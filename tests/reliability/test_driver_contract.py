@@ -1,7 +1,7 @@
 """The driver's durability contract, as a user meets it (each test runs real job processes).
 
-* default settings commit one file per actor batch: a driver SIGKILLed after the first commit loses
-  only the batches in flight, and its rerun recomputes only the uncommitted documents;
+* default settings commit one file per document as it is answered: a driver SIGKILLed after the first
+  commit loses only the documents in flight, and its rerun recomputes only the uncommitted ones;
 * a SIGKILLed driver's local Ray processes are stopped by the next run (by their recorded PIDs);
   SIGTERM ends a job like Ctrl-C, leaving no Ray process behind;
 * a full disk (a 40 KiB tmpfs) fails with one sentence, committed files intact, and a rerun into
