@@ -323,3 +323,20 @@ def test_kept_composition_classes_and_masks_on_a_tiny_engine():
     assert "instruction" in names and names.count("haystack") > len(names) // 2
     fractions = kc.composition(mask, classes)
     assert fractions["window"] == 1.0 and all(0.0 <= f <= 1.0 for f in fractions.values())
+
+
+def test_commit_times_hands_on_every_document_at_each_pause():
+    from benchmarks import commit_times
+    from pipeline.engine.config import GenerationConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.types import Request
+    from pipeline.kv.config import CompressionConfig
+
+    engine = Engine(tiny_loaded(), CompressionConfig(method="snapkv", window=4), GenerationConfig(max_new_tokens=4))
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    requests = [Request(str(i), text, ["Who jumps?"]) for i in range(3)]
+    for pause in (0.0, 100.0):
+        handed, wall = commit_times.one_call(engine, requests, pause)
+        assert len(handed) == 3 and handed == sorted(handed) and 0 < handed[-1] <= wall
+        assert engine.runner.generation.decode_between_prefills == pause
+    assert len(commit_times.documents("mixed")) == len(commit_times.documents("qa")) == 8
