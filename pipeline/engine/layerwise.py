@@ -86,6 +86,7 @@ def layerwise_prefill(
                         **{keyword: cache},
                     )
                     hidden[:, start:end] = out[0] if isinstance(out, tuple) else out
+                    del out  # copied into ``hidden``: not held through the next slice's layer forward
     finally:
         cache.hidden_states.clear()
     return model.lm_head(inner.norm(hidden[:, -1:]))[:, -1].float()
