@@ -59,34 +59,39 @@ def layerwise_prefill(
 ) -> torch.Tensor:
     """Prefill ``ids`` (B, T), left padded, at ``positions`` (B, T) (-1 on padding) into the empty
     ``cache``, layer by layer, ``plan.tokens`` columns at a time (a cache that cannot be prefilled so
-    raises ``ValueError``). Returns the last column's logits (B, V)
-    float32. The hidden states (B, T, hidden) are one buffer that each slice's layer output overwrites:
-    a later slice of the same layer needs only the layer's K/V of the earlier ones, which the cache holds.
-    RoPE's (cos, sin) are computed per slice (the same values; not held for the whole context)."""
+    raises ``ValueError``). Returns the last column's logits (B, V) float32.
+
+    The hidden states are held per slice, (B, s, hidden) each, T columns in all: a slice's layer output
+    replaces its input (a later slice of the same layer needs only the layer's K/V of the earlier ones,
+    which the cache holds), and the last layer's outputs are dropped as they come, but the last slice's
+    (only the last column is read), so the prefill's peak, in the last layer, holds the hidden states of
+    the slices still to run there. RoPE's (cos, sin) are computed per slice (the same values; not held
+    for the whole context)."""
     inner, tokens = model.model, plan.tokens
     keyword = cache_keyword(inner.layers[0])
-    length = ids.shape[1]
-    hidden = inner.embed_tokens(ids)
+    bounds = [(start, min(ids.shape[1], start + tokens)) for start in range(0, ids.shape[1], tokens)]
+    hidden: list[torch.Tensor | None] = [inner.embed_tokens(ids[:, start:end]) for start, end in bounds]
+    layers = inner.layers[: model.config.num_hidden_layers]
     slices = cache.begin_prefill(plan, positions=positions)
     recording = recorded_attention_inputs(model, cache.hidden_states) if cache.wants_hidden_states else nullcontext()
     try:
         with recording:
-            for layer in inner.layers[: model.config.num_hidden_layers]:
-                for start in range(0, length, tokens):
-                    end = min(length, start + tokens)
+            for depth, layer in enumerate(layers):
+                for i, (start, end) in enumerate(bounds):
                     slices.begin_slice(start, end)
-                    piece, piece_pos = hidden[:, start:end], positions[:, start:end].clamp(min=0)
+                    piece_pos = positions[:, start:end].clamp(min=0)
                     out = layer(
-                        piece,
+                        hidden[i],
                         attention_mask=None,
                         position_ids=piece_pos,
-                        position_embeddings=inner.rotary_emb(piece, position_ids=piece_pos),
+                        position_embeddings=inner.rotary_emb(hidden[i], position_ids=piece_pos),
                         use_cache=True,
                         varlen_cache=cache,
                         **{keyword: cache},
                     )
-                    hidden[:, start:end] = out[0] if isinstance(out, tuple) else out
-                    del out  # copied into ``hidden``: not held through the next slice's layer forward
+                    needed = depth < len(layers) - 1 or i == len(bounds) - 1  # the next layer's input, or the logits'
+                    hidden[i] = (out[0] if isinstance(out, tuple) else out) if needed else None
+                    del out  # a dropped output is not held through the next slice's layer forward
     finally:
         cache.hidden_states.clear()
-    return model.lm_head(inner.norm(hidden[:, -1:]))[:, -1].float()
+    return model.lm_head(inner.norm(hidden[-1][:, -1:]))[:, -1].float()
