@@ -28,7 +28,7 @@ from pipeline.data.synthetic import sample_qa_documents, sample_summarization_do
 from pipeline.engine.config import GenerationConfig, ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.types import Request
-from pipeline.kv.config import CompressionConfig
+from pipeline.kv.config import DEFAULT_METHOD, CompressionConfig
 
 
 def documents(kind: str) -> list[Request]:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", choices=["qa", "mixed"], default="qa")
     p.add_argument("--pauses", default="0,0.25,0.5", help="decode_between_prefills values, comma-separated")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--method", default=CompressionConfig.model_fields["method"].default)
+    p.add_argument("--method", default=DEFAULT_METHOD)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(2)

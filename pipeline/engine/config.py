@@ -133,10 +133,10 @@ class ContinuousBatching(_Strict):
         "caches fit --kv-memory, rows leaving as their answers end and waiting documents joining as memory frees; "
         "off: prefilled together (left padded), then decoded in the same loop (as sweeps are)",
     )
-    # measured in docs/BENCHMARKS.md ("Documents committed as they finish"): the first answers of a call
-    # are committed early for a few per cent of wall time where answers are long, nothing where short
+    # docs/BENCHMARKS.md, "Documents committed as they finish": 0.5 spreads a call's commits over it for
+    # 12-15 % more call time on CPU (0.25: 7-8 %, only the first document early), so 0 stays the default
     decode_between_prefills: float = Field(
-        0.25,
+        0.0,
         ge=0,
         le=100,
         description="while documents of a call wait to be prefilled, the rows already decoding take decode "

@@ -340,3 +340,5 @@ def test_commit_times_hands_on_every_document_at_each_pause():
         assert len(handed) == 3 and handed == sorted(handed) and 0 < handed[-1] <= wall
         assert engine.runner.generation.decode_between_prefills == pause
     assert len(commit_times.documents("mixed")) == len(commit_times.documents("qa")) == 8
+    with pytest.raises(SystemExit):  # the command line parses up to --help (main's defaults resolve)
+        commit_times.main(["--help"])

@@ -126,7 +126,7 @@ def test_a_rerun_may_change_how_rows_are_computed_but_not_what_they_mean():
         ["--batch-size", "3"],
         ["--kv-memory", "64"],
         ["--no-continuous"],
-        ["--decode-between-prefills", "0"],
+        ["--decode-between-prefills", "0.5"],
         ["--layerwise-prefill", "512"],
     ):
         assert config_from_args("longdoc_qa", flags).fingerprint() == base, flags
