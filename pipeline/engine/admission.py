@@ -42,16 +42,16 @@ class Admission:
         self.runner, self.source, self.compressor, self.memory = runner, source, compressor, memory
         self.fidelity, self.failed = fidelity, failed
         self.capped = compressor.config.max_cache_tokens is not None
-        self.pause = runner.generation.decode_between_prefills
         self.last_open = (0.0, 0.0)  # (seconds, end time) of the last row opened
 
     def paced(self, decoding: bool) -> bool:
         """Whether the next waiting row must wait for the decoding rows (``decode_between_prefills``):
-        since the last row was opened they have decoded for less than ``pause`` times its opening."""
-        if not decoding or not self.pause:
+        since the last row was opened they have decoded for less than that many times its opening."""
+        pause = self.runner.generation.decode_between_prefills
+        if not decoding or not pause:
             return False
         seconds, ended = self.last_open
-        return now(self.runner.device) - ended < self.pause * seconds
+        return now(self.runner.device) - ended < pause * seconds
 
     def admit(self, rows, waiting: deque, ready: list, active: list, joining: list) -> None:
         """Open waiting rows and let them join while their footprints fit the KV memory."""
