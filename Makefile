@@ -26,14 +26,18 @@ $(STAMP): pyproject.toml
 run: setup
 	$(PY) jobs/longdoc_qa.py
 
+# PYTHONFAULTHANDLER: a crash in C code (also while the interpreter exits, after pytest's own
+# handler is gone) prints every thread's Python stack instead of a bare "Segmentation fault".
+TEST_ENV := PYTHONFAULTHANDLER=1
+
 test: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(TEST_ENV) $(PY) -m pytest -q -m "not slow"
 
 test-slow: setup
-	$(PY) -m pytest -q -m slow
+	$(TEST_ENV) $(PY) -m pytest -q -m slow
 
 test-all: setup
-	$(PY) -m pytest -q
+	$(TEST_ENV) $(PY) -m pytest -q
 
 bench: setup
 	$(PY) -m benchmarks.run_all
