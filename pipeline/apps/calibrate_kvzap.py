@@ -67,12 +67,6 @@ class KVzapCalibrationJob(BaseModel):
         "fall with that distance): held-out R2 0.44 -> 0.70, RULER better at cache 0.1, worse at 0.4 "
         "(docs/results/kvzap-positions/README.md)",
     )
-    within_documents: bool = Field(
-        False,
-        description="fit the linear predictor on each document's deviations from its own means (the ranking "
-        "inside a document, all the shares allocation uses) instead of raw log-scores "
-        "(docs/results/kvzap-within/README.md); linear kind without --positions",
-    )
     seed: int = Field(0, description="seed of the documents and of the sampled entries")
     actors: int = Field(1, ge=1, description="Ray actors computing targets (each holds the model)")
     cpus_per_actor: float = Field(2.0, gt=0, description="CPUs per actor")
@@ -163,8 +157,6 @@ def preflight(config: KVzapCalibrationJob) -> None:
     held = [max(1, round(config.validation * n)) for n in counts]
     if any(n < 1 for n in counts) or sum(n - h for n, h in zip(counts, held)) < 1:
         fail(f"invalid --documents: {counts} leaves no document to fit on once {held} are held out; give more")
-    if config.within_documents and (config.kind != "linear" or config.positions):
-        fail("invalid --within-documents: it fits only the linear predictor (--kind linear), without --positions")
     if sorted(config.share_sizes) != config.share_sizes or not all(0 < s <= 1 for s in config.share_sizes):
         fail("invalid --share-sizes: ascending fractions in (0, 1]")
     output = Path(config.output).expanduser()
@@ -200,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     model, report = fit(
         train, held, config.share_sizes, config.kind, config.alpha, config.mlp_width, config.mlp_epochs,
         config.seed, progress=log, shares_by_length=config.shares_by_length, shares_target=config.shares_target,
-        positions=config.positions, within_documents=config.within_documents,
+        positions=config.positions,
     )  # fmt: skip
     settings = config.model_dump(mode="json", exclude={"output", "ray_address", "actors"})
     settings.update(train_documents=len(train), held_out_documents=len(held), seconds=round(time.perf_counter() - t0))

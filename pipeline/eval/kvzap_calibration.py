@@ -13,8 +13,7 @@ Per calibration document (:mod:`pipeline.eval.kvzap_data`), :func:`document_targ
    each (layer, KV head), divided by the mean head budget.
 
 :func:`fit` then fits one predictor per layer on the training documents (``linear``: ridge
-regression in closed form, on raw log-scores or, with ``within_documents``, on each document's
-deviations from its own means, :func:`centred`; ``mlp``: D -> width -> GELU -> H_kv, AdamW on the squared error; with
+regression in closed form; ``mlp``: D -> width -> GELU -> H_kv, AdamW on the squared error; with
 ``positions``, plus a linear term in each entry's position and the row's length,
 :func:`pipeline.kv.kvzap_model.position_features`, fitted jointly by the ridge), and
 measures it on the held-out documents: R^2 of the log-scores, Spearman rank correlation per KV head
@@ -159,15 +158,6 @@ def fit_quality(pred: torch.Tensor, true: torch.Tensor, top: float = 0.2) -> dic
     }
 
 
-def centred(t: DocumentTargets) -> DocumentTargets:
-    """``t`` with its hidden states (L, m, hidden) and log-scores (L, H_kv, m) less their means over the
-    document's sampled entries (per layer, and per KV head for the scores). The ``shares`` allocation
-    ranks entries only inside each (layer, KV head) of one document, so a document's offset (KVzip's
-    scores fall with the context's length and differ by kind) is nothing a predictor needs to learn."""
-    hidden = t.hidden - t.hidden.mean(1, keepdim=True)
-    return replace(t, hidden=hidden, log_scores=t.log_scores - t.log_scores.mean(-1, keepdim=True))
-
-
 def _layer_data(targets: list[DocumentTargets], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.cat([t.hidden[layer] for t in targets])
     y = torch.cat([t.log_scores[layer].T for t in targets])
@@ -196,7 +186,6 @@ def fit(
     shares_by_length: bool = False,
     shares_target: str = "kvzip",
     positions: bool = False,
-    within_documents: bool = False,
 ) -> tuple[KVzapModel, dict]:
     """The predictors of every layer and the shares (one table, or one per calibration length with
     ``shares_by_length``), plus the held-out fit report ``{"layers": [{layer, r2, spearman,
@@ -205,19 +194,11 @@ def fit(
     ``kvzip`` (each head's count in KVzip's global top-k of the true scores) or ``predicted`` (the
     counts that keep the most true score when each head keeps its predicted top entries,
     :mod:`pipeline.eval.kvzap_shares`; computed with the fitted predictors). ``positions``: the
-    predictors add a term in the entry's position and the row's length (``position_weight``).
-    ``within_documents`` (linear, without positions): the ridge is fitted on :func:`centred` documents,
-    then its intercept set to the pooled means' (``mean(y) - W mean(h)``), so that only the ranking
-    inside each document is fitted (docs/results/kvzap-within/README.md)."""
+    predictors add a term in the entry's position and the row's length (``position_weight``)."""
     if shares_target not in ("kvzip", "predicted"):
         raise ValueError(f"shares_target must be 'kvzip' or 'predicted', got {shares_target!r}")
-    if within_documents and (kind != "linear" or positions):
-        raise ValueError("within_documents fits the linear predictor without positions only")
     layers = train[0].hidden.shape[0]
-    if within_documents:
-        tensors = _fit_within(train, alpha, progress)
-    else:
-        tensors = _fit_predictors(train, kind, alpha, (mlp_width, mlp_epochs), seed, progress, positions)
+    tensors = _fit_predictors(train, kind, alpha, (mlp_width, mlp_epochs), seed, progress, positions)
     sizes = torch.tensor(share_sizes, dtype=torch.float32)
     model = KVzapModel(kind, tensors, train[0].shares, sizes)  # predictors only, for the predicted targets
     if shares_target == "predicted":
@@ -259,16 +240,6 @@ def _fit_predictors(train, kind, alpha, mlp, seed, progress, positions) -> dict[
         if progress is not None:
             progress(f"layer {layer}: fitted on {x.shape[0]} entries")
     return {name: torch.stack(ts) for name, ts in per_layer.items()}
-
-
-def _fit_within(train: list[DocumentTargets], alpha: float, progress) -> dict[str, torch.Tensor]:
-    """Linear predictors fitted on :func:`centred` documents, each intercept then the pooled
-    ``mean(y) - W mean(h)`` (the raw scale, which only the ``layer`` allocation's cross-layer ranking reads)."""
-    tensors = _fit_predictors([centred(t) for t in train], "linear", alpha, (0, 0), 0, progress, False)
-    for layer in range(tensors["weight"].shape[0]):
-        x, y = _layer_data(train, layer)
-        tensors["bias"][layer] = y.double().mean(0).float() - tensors["weight"][layer] @ x.double().mean(0).float()
-    return tensors
 
 
 def _predicted_targets(model: KVzapModel, doc: DocumentTargets, sizes: list[float]) -> DocumentTargets:
@@ -335,7 +306,8 @@ def shares_error(train: list[DocumentTargets], held_out: list[DocumentTargets]) 
 
 def _quality(model: KVzapModel, docs: list[DocumentTargets], layer: int) -> dict:
     """:func:`fit_quality` over every held-out entry pooled, plus ``spearman_in_document``: the mean over
-    documents of the Spearman correlation inside each (the ranking the ``shares`` allocation uses)."""
+    documents of the Spearman correlation inside each (the ranking inside a head; CriticalKV's stage 2 also
+    reads the predicted level, docs/results/kvzap-within/README.md)."""
     _, y = _layer_data(docs, layer)
     per_doc = [_doc_prediction(model, t, layer) for t in docs]
     inside = [fit_quality(p, t.log_scores[layer])["spearman"] for p, t in zip(per_doc, docs)]

@@ -32,8 +32,6 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys, monkeypatch
     assert "at least 128 tokens" in _refused([*out, "--lengths", "64", "--documents", "8"], capsys)
     assert "no document to fit on" in _refused([*out, "--lengths", "512", "--documents", "1"], capsys)
     assert "no document to fit on" in _refused([*out, "--documents", "0"], capsys)
-    for other in (["--kind", "mlp"], ["--positions"]):
-        assert "only the linear predictor" in _refused([*out, "--within-documents", *other], capsys)
     (tmp_path / "ro").mkdir()
     os.chmod(tmp_path / "ro", 0o500)
     if not os.access(tmp_path / "ro", os.W_OK):  # root may write anywhere: then there is nothing to refuse

@@ -143,51 +143,6 @@ def test_fit_recovers_a_dependence_on_the_distance_to_the_context_end():
     torch.testing.assert_close(mlp.tensors["position_weight"], model.tensors["position_weight"])
 
 
-def _confounded_documents(weight: torch.Tensor, count: int, seed: int) -> list[DocumentTargets]:
-    """Documents whose hidden states share a document-level shift c_d and whose log-scores have a
-    document-level offset o_d unrelated to it: y = W (h - c_d) + o_d + noise, per layer and KV head."""
-    g = torch.Generator().manual_seed(seed)
-    layers, heads, dim = weight.shape
-    docs = []
-    for d in range(count):
-        z = torch.randn(layers, 40, dim, generator=g)
-        shift, offset = 3 * torch.randn(layers, 1, dim, generator=g), 4 * torch.randn(layers, heads, 1, generator=g)
-        y = torch.einsum("lmd,lhd->lhm", z, weight) + offset + 0.01 * torch.randn(layers, heads, 40, generator=g)
-        shares = torch.ones(2, layers, heads)
-        docs.append(DocumentTargets(f"c{d}", "ruler", 512, z + shift, y, shares, torch.arange(40)))
-    return docs
-
-
-def test_within_documents_fit_recovers_the_in_document_map_that_offsets_hide_from_a_raw_fit():
-    weight = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(7))
-    docs = _confounded_documents(weight, 12, 8)
-    within, _ = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8, within_documents=True)
-    raw, _ = fit(docs[:9], docs[9:], [0.2, 0.4], alpha=1e-8)
-    torch.testing.assert_close(within.tensors["weight"], weight, atol=5e-3, rtol=0)
-    assert float((raw.tensors["weight"] - weight).abs().max()) > 0.1  # the raw fit explains the offsets from h
-    for layer in range(2):  # the intercept: the pooled means, by a naive loop over every entry
-        h = torch.cat([t.hidden[layer] for t in docs[:9]]).double()
-        y = torch.cat([t.log_scores[layer].T for t in docs[:9]]).double()
-        naive = y.mean(0) - within.tensors["weight"][layer].double() @ h.mean(0)
-        torch.testing.assert_close(within.tensors["bias"][layer].double(), naive, atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="linear predictor without positions"):
-        fit(docs[:9], docs[9:], [0.2, 0.4], kind="mlp", within_documents=True)
-
-
-def test_within_documents_fit_matches_a_naive_least_squares_on_centred_entries():
-    """An independent reference: centre every entry by hand, solve ordinary least squares with lstsq."""
-    weight = torch.randn(1, 2, 5, generator=torch.Generator().manual_seed(9))
-    docs = _confounded_documents(weight, 6, 10)
-    within, _ = fit(docs[:5], docs[5:], [0.2, 0.4], alpha=1e-10, within_documents=True)
-    rows_x, rows_y = [], []
-    for t in docs[:5]:
-        for i in range(t.hidden.shape[1]):
-            rows_x.append([float(t.hidden[0, i, k] - t.hidden[0, :, k].mean()) for k in range(5)])
-            rows_y.append([float(t.log_scores[0, h, i] - t.log_scores[0, h].mean()) for h in range(2)])
-    solution = torch.linalg.lstsq(torch.tensor(rows_x, dtype=torch.float64), torch.tensor(rows_y, dtype=torch.float64))
-    torch.testing.assert_close(within.tensors["weight"][0].double(), solution.solution.T, atol=1e-4, rtol=0)
-
-
 def _targets(length: int, shares: torch.Tensor) -> DocumentTargets:
     empty = torch.zeros(1, 0)
     return DocumentTargets(f"d{length}-{float(shares.sum())}", "ruler", length, empty, empty, shares, empty)

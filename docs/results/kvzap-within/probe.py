@@ -5,6 +5,7 @@ allocation; a raw fit must also explain each document's offset (KVzip's scores f
 length) from h alone.
 
     python docs/results/kvzap-within/probe.py --cache /tmp/kvw [--ruler-docs N]
+    python docs/results/kvzap-within/probe.py --cache /tmp/kvw --write FILE   # the file run.sh sweeps
 
 1. KVzip+ targets (``pipeline.eval.kvzap_calibration.document_targets``, in this process, no Ray) of the
    shipped file's calibration documents (its settings: lengths 512-4,096, 16/16/16/8 documents, 384
@@ -29,7 +30,7 @@ import torch
 from pipeline.apps.calibrate_kvzap import _split
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.engine import Engine
-from pipeline.engine.kvzap_file import load_kvzap, shipped_kvzap
+from pipeline.engine.kvzap_file import load_kvzap, model_fingerprint, read_metadata, shipped_kvzap, write_kvzap
 from pipeline.engine.loading import load_model
 from pipeline.eval import kvzap_calibration as cal
 from pipeline.eval.kvzap_data import calibration_documents
@@ -81,9 +82,24 @@ def inside(model: KVzapModel, docs: list) -> dict:
     return {"spearman": sum(rho) / len(rho), "top20": sum(top) / len(top), "kept": score}
 
 
+def write_file(loaded, train: list, held: list, output: Path) -> None:
+    """The swept file (``--write``): ``within_fit``'s predictors with the shipped file's shares table kept as
+    it is (this fit's own table equals it to 1e-6 at every size from 0.1 up; its 0.05 row, made by older
+    code, differs), so that the predictor is the one thing that differs from the shipped file."""
+    shipped_path = shipped_kvzap("smollm2")
+    shipped, meta = load_kvzap(shipped_path, loaded.model, "smollm2"), read_metadata(shipped_path)
+    model = KVzapModel("linear", within_fit(train, meta["settings"]["alpha"]), shipped.shares, shipped.share_sizes)
+    layers = [{"layer": i, **cal._quality(model, held, i)} for i in range(model.num_layers)]
+    report = {"layers": layers, "mean": cal._mean_of(layers)}
+    settings = {**meta["settings"], "within_documents": True, "shares": "the previous shipped file's table"}
+    path = write_kvzap(output, model, "smollm2", model_fingerprint(loaded.model), report, settings)
+    print(f"{path}: in-document Spearman {report['mean']['spearman_in_document']:.3f} (held out)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, required=True)
+    parser.add_argument("--write", type=Path, help="write the swept file here and stop (after step 1's calibration)")
     ruler = ["/tmp/selfcal/docs-2048.parquet", "/tmp/selfcal/docs-4096.parquet"]  # ../self-calibration/run.sh
     parser.add_argument("--ruler", nargs=2, default=ruler, help="the seed-0 RULER documents at 2K and 4K")
     parser.add_argument("--ruler-docs", type=int, default=10)
@@ -96,6 +112,8 @@ def main() -> None:
     for length, n in zip([512, 1024, 2048, 4096], [16, 16, 16, 8]):
         docs += calibration_documents([length], n, count, 0)
     train, held = _split(targets(args.cache, "calibration", docs, factory), 0.25, 0)
+    if args.write is not None:
+        return write_file(loaded, train, held, args.write)
     shipped = load_kvzap(shipped_kvzap("smollm2"), loaded.model, "smollm2")
     raw_fit = cal._fit_predictors(train, "linear", 1e-3, (0, 0), 0, None, False)
     raw = KVzapModel("linear", raw_fit, shipped.shares, shipped.share_sizes)
