@@ -5,7 +5,7 @@ allocation; a raw fit must also explain each document's offset (KVzip's scores f
 length) from h alone.
 
     python docs/results/kvzap-within/probe.py --cache /tmp/kvw [--ruler-docs N]
-    python docs/results/kvzap-within/probe.py --cache /tmp/kvw --write FILE   # the file run.sh sweeps
+    python docs/results/kvzap-within/probe.py --cache /tmp/kvw --write FILE [--level]   # the files swept
 
 1. KVzip+ targets (``pipeline.eval.kvzap_calibration.document_targets``, in this process, no Ray) of the
    shipped file's calibration documents (its settings: lengths 512-4,096, 16/16/16/8 documents, 384
@@ -82,16 +82,37 @@ def inside(model: KVzapModel, docs: list) -> dict:
     return {"spearman": sum(rho) / len(rho), "top20": sum(top) / len(top), "kept": score}
 
 
-def write_file(loaded, train: list, held: list, output: Path) -> None:
-    """The swept file (``--write``): ``within_fit``'s predictors with the shipped file's shares table kept as
-    it is (this fit's own table equals it to 1e-6 at every size from 0.1 up; its 0.05 row, made by older
-    code, differs), so that the predictor is the one thing that differs from the shipped file."""
+def length_level(tensors: dict, train: list) -> dict:
+    """``tensors`` (a within fit) plus a per-document level ``a + b log n`` per layer and KV head: each
+    training document's mean log-score less ``W`` times its mean h, regressed on the log of its length by
+    least squares; ``a`` becomes the bias and ``b`` the file's ``position_weight[..., 2]`` (the log-length
+    feature of :func:`pipeline.kv.kvzap_model.position_features`; the two position features are 0)."""
+    weight = tensors["weight"].double()  # (L, H_kv, hidden)
+    logn = torch.tensor([float(t.tokens or t.length) for t in train], dtype=torch.float64).log()
+    mean_h = [t.hidden.double().mean(1) for t in train]  # (L, hidden) each
+    levels = [t.log_scores.double().mean(-1) - torch.einsum("lhd,ld->lh", weight, h) for t, h in zip(train, mean_h)]
+    design = torch.stack([torch.ones_like(logn), logn], 1)  # (N, 2)
+    coef = torch.linalg.lstsq(design, torch.stack(levels).reshape(len(train), -1)).solution
+    coef = coef.reshape(2, *weight.shape[:2]).float()
+    position = torch.zeros(*weight.shape[:2], 3)
+    position[..., 2] = coef[1]
+    return {"weight": tensors["weight"], "bias": coef[0], "position_weight": position}
+
+
+def write_file(loaded, train: list, held: list, output: Path, level: bool) -> None:
+    """The swept file (``--write``): ``within_fit``'s predictors (with ``--level``, plus
+    :func:`length_level`) and the shipped file's shares table kept as it is (this fit's own table equals
+    it to 1e-6 at every size from 0.1 up; its 0.05 row, made by older code, differs), so that the
+    predictor is the one thing that differs from the shipped file."""
     shipped_path = shipped_kvzap("smollm2")
     shipped, meta = load_kvzap(shipped_path, loaded.model, "smollm2"), read_metadata(shipped_path)
-    model = KVzapModel("linear", within_fit(train, meta["settings"]["alpha"]), shipped.shares, shipped.share_sizes)
+    tensors = within_fit(train, meta["settings"]["alpha"])
+    tensors = length_level(tensors, train) if level else tensors
+    model = KVzapModel("linear", tensors, shipped.shares, shipped.share_sizes)
     layers = [{"layer": i, **cal._quality(model, held, i)} for i in range(model.num_layers)]
     report = {"layers": layers, "mean": cal._mean_of(layers)}
-    settings = {**meta["settings"], "within_documents": True, "shares": "the previous shipped file's table"}
+    settings = {**meta["settings"], "within_documents": True, "level": "a + b log n" if level else "pooled"}
+    settings["shares"] = "the previous shipped file's table"
     path = write_kvzap(output, model, "smollm2", model_fingerprint(loaded.model), report, settings)
     print(f"{path}: in-document Spearman {report['mean']['spearman_in_document']:.3f} (held out)")
 
@@ -100,6 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--write", type=Path, help="write the swept file here and stop (after step 1's calibration)")
+    parser.add_argument("--level", action="store_true", help="with --write: add the per-document level in log length")
     ruler = ["/tmp/selfcal/docs-2048.parquet", "/tmp/selfcal/docs-4096.parquet"]  # ../self-calibration/run.sh
     parser.add_argument("--ruler", nargs=2, default=ruler, help="the seed-0 RULER documents at 2K and 4K")
     parser.add_argument("--ruler-docs", type=int, default=10)
@@ -113,7 +135,7 @@ def main() -> None:
         docs += calibration_documents([length], n, count, 0)
     train, held = _split(targets(args.cache, "calibration", docs, factory), 0.25, 0)
     if args.write is not None:
-        return write_file(loaded, train, held, args.write)
+        return write_file(loaded, train, held, args.write, args.level)
     shipped = load_kvzap(shipped_kvzap("smollm2"), loaded.model, "smollm2")
     raw_fit = cal._fit_predictors(train, "linear", 1e-3, (0, 0), 0, None, False)
     raw = KVzapModel("linear", raw_fit, shipped.shares, shipped.share_sizes)
