@@ -306,8 +306,7 @@ def shares_error(train: list[DocumentTargets], held_out: list[DocumentTargets]) 
 
 def _quality(model: KVzapModel, docs: list[DocumentTargets], layer: int) -> dict:
     """:func:`fit_quality` over every held-out entry pooled, plus ``spearman_in_document``: the mean over
-    documents of the Spearman correlation inside each (the ranking inside a head; CriticalKV's stage 2 also
-    reads the predicted level, docs/results/kvzap-within/README.md)."""
+    documents of the Spearman correlation inside each (the ranking a head's selection starts from)."""
     _, y = _layer_data(docs, layer)
     per_doc = [_doc_prediction(model, t, layer) for t in docs]
     inside = [fit_quality(p, t.log_scores[layer])["spearman"] for p, t in zip(per_doc, docs)]
