@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The sweeps of README.md; from a worktree (outputs under /tmp/csr). Usage: run.sh STEP
+# STEP screen: the three stage-1 ratios on the 4K set (seed 0); STEP confirm RATIOS: those on 2K and 4K seed 1;
+# STEP round2: 0.75 on 2K, 0.75 and 0.9 on 4K seed 1.
+PY=/work/main/.venv/bin/python
+export OMP_WAIT_POLICY=PASSIVE
+T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
+T4=niah_multikey_1,niah_multivalue,niah_single_3,niah_single_2,niah_single_1
+methods() { local out=""; for r in ${1//,/ }; do out="$out${out:+,}criticalkv-shares-kvzap[first_stage_ratio=$r]"; done; echo "$out"; }
+run() {  # length seed tasks methods output
+  $PY jobs/eval_compression.py --tasks $3 --length $1 --samples 10 --seed $2 --methods "$4" \
+    --cache-sizes 0.1,0.2,0.4 --max-new-tokens 48 --settings-per-decode 16 --output $5 > $5.log 2>&1
+  echo "$5 rc=$?"; date
+}
+date
+case "$1" in
+  screen) run 4096 0 $T4 "$(methods 0.25,0.75,0.9)" /tmp/csr/screen-4k ;;
+  confirm) run 2048 0 $T2 "$(methods $2)" /tmp/csr/confirm-2k; run 4096 1 $T4 "$(methods $2)" /tmp/csr/confirm-4k-seed1 ;;
+  # round 2 (README): the runner-up on 2K, then both ratios on the fresh 4K documents in one sweep
+  round2) run 2048 0 $T2 "$(methods 0.75)" /tmp/csr/round2-2k; run 4096 1 $T4 "$(methods 0.75,0.9)" /tmp/csr/round2-4k-seed1 ;;
+esac
+echo ALLDONE
