@@ -3,7 +3,7 @@
 # STEP screen: the three stage-1 ratios on the 4K set (seed 0); STEP confirm RATIOS: those on 2K and 4K seed 1;
 # STEP round2: 0.75 on 2K, 0.75 and 0.9 on 4K seed 1.
 PY=/work/main/.venv/bin/python
-export OMP_WAIT_POLICY=PASSIVE
+export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD  # the driver imports the worktree's pipeline, as its Ray workers do
 T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
 T4=niah_multikey_1,niah_multivalue,niah_single_3,niah_single_2,niah_single_1
 methods() { local out=""; for r in ${1//,/ }; do out="$out${out:+,}criticalkv-shares-kvzap[first_stage_ratio=$r]"; done; echo "$out"; }
@@ -18,5 +18,6 @@ case "$1" in
   confirm) run 2048 0 $T2 "$(methods $2)" /tmp/csr/confirm-2k; run 4096 1 $T4 "$(methods $2)" /tmp/csr/confirm-4k-seed1 ;;
   # round 2 (README): the runner-up on 2K, then both ratios on the fresh 4K documents in one sweep
   round2) run 2048 0 $T2 "$(methods 0.75)" /tmp/csr/round2-2k; run 4096 1 $T4 "$(methods 0.75,0.9)" /tmp/csr/round2-4k-seed1 ;;
+  round2-4k) run 4096 1 $T4 "$(methods 0.75,0.9)" /tmp/csr/round2-4k-seed1 ;;
 esac
 echo ALLDONE
