@@ -177,6 +177,7 @@ class Compressor:
             head_priors=self.head_priors,
             kvzap=self.kvzap,
             selection_weighs_values=self.selection.weighs_by_value_norm,
+            scorer_weighs_values=self.scorer is not None and self.scorer.weighs_by_value_norm,
             context_lengths=context_lengths,
         )
 

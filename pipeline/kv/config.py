@@ -292,7 +292,7 @@ class CompressionConfig(MethodChoice, CompressionKnobs):
 
 #: The product's default compression, for the batch jobs and ``pipeline.generate`` alike; chosen by
 #: measurement (docs/results/template-protection/README.md, "The default"): the learned one-pass scorer
-#: keeps 0.91-0.94x of the full cache's RULER score at 0.4 with a plain prefill's time, where KVzip's
+#: keeps 0.89-0.94x of the full cache's RULER score at 0.4 with a plain prefill's time, where KVzip's
 #: passes (``criticalkv-layer-kvzip``, the best answers) cost 4x on CPU and 12-26x on a GPU. A model
 #: without a shipped KVzap file is calibrated by the batch job on its own documents (``--calibrate``).
 DEFAULT_METHOD = "criticalkv-shares-kvzap"

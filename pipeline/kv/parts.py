@@ -48,6 +48,7 @@ class LayerContext:
     head_priors: (L, H_kv) HeadKV priors or None; kvzap: the learned scorer's weights and
     calibrated shares (:class:`~pipeline.kv.kvzap_model.KVzapModel`) or None;
     selection_weighs_values: the method's selection declares :attr:`Selection.weighs_by_value_norm`;
+    scorer_weighs_values: the method's scorer declares :attr:`Scorer.weighs_by_value_norm`;
     known_norms: (B, H_kv, n) projected value norms already computed (NaN where not; a chunked
     prefill's held entries) or None; context_lengths: (B,) each row's whole context when the layer
     holds only part of it (a chunked prefill's chunk), else None (``lengths`` is the whole context).
@@ -66,6 +67,7 @@ class LayerContext:
     head_priors: torch.Tensor | None = None
     kvzap: KVzapModel | None = None
     selection_weighs_values: bool = False
+    scorer_weighs_values: bool = False
     known_norms: torch.Tensor | None = None
     context_lengths: torch.Tensor | None = None
 
@@ -134,6 +136,9 @@ class Scorer(Part):
     #: ``observe`` can run on consecutive slices of a layer's queries, merged by :meth:`merge_observed`
     #: (a layer-by-layer prefill, :mod:`pipeline.kv.prefill.layer_by_layer`)
     observes_in_slices: ClassVar[bool] = True
+    #: the scores already weigh each entry by its projected value norm ``||W_O v_i||`` (KVzap's predicted
+    #: KVzip+ scores); CriticalKV's default stage-1 ratio reads it (``LayerContext``)
+    weighs_by_value_norm: ClassVar[bool] = False
 
     def observed_queries(self, window: int, options: BaseModel | None) -> int:
         """How many of the last prefill queries :meth:`observe` keeps (0: none); window: the

@@ -65,6 +65,14 @@ def topk_indices(values, k):
     return sorted(sorted(range(len(values)), key=lambda i: -values[i])[:k])
 
 
+def stage1_reference(cfg) -> float:
+    """CriticalKV's stage-1 ratio as documented: the knob, else 0.75 for the kvzap scorer (its scores
+    weigh the value norm already), else the paper's 0.5."""
+    if cfg.first_stage_ratio is not None:
+        return cfg.first_stage_ratio
+    return 0.75 if cfg.scorer == "kvzap" else 0.5
+
+
 def two_stage_reference(scores, norms, budget, window, alpha, eps):
     """CriticalKV selection for one head: scores (n,) with +inf window, norms (n,)."""
     n = len(scores)
@@ -357,6 +365,6 @@ ALLOCATION_REFERENCES = {
 SELECTION_REFERENCES = {
     "topk": lambda s, v, o, k, g, d, b, w, cfg: topk_reference(s, b),
     "criticalkv": lambda s, v, o, k, g, d, b, w, cfg: two_stage_reference(
-        s, value_norm_reference(v, o, k, g, d, p=1 if cfg.norm == "l1" else 2), b, w, cfg.first_stage_ratio, cfg.epsilon
+        s, value_norm_reference(v, o, k, g, d, p=1 if cfg.norm == "l1" else 2), b, w, stage1_reference(cfg), cfg.epsilon
     ),
 }

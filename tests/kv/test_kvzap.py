@@ -13,7 +13,7 @@ from pipeline.kv.kvzap_model import KVzapModel
 from pipeline.kv.rope import model_rotary
 from pipeline.kv.scorers.kvzap import MAX_LOG_SCORE
 from pipeline.kv.storage.cache import VarLenCache, run_chunk
-from tests.kv.reference import topk_indices
+from tests.kv.reference import stage1_reference, topk_indices, two_stage_reference, value_norm_reference
 from tests.tiny import DEVICE, tiny_kvzap, tiny_kvzap_for, tiny_loaded, tiny_model
 
 N, PAD = 40, 9  # row 1 is PAD tokens shorter (left padded)
@@ -58,6 +58,54 @@ def test_kept_sets_follow_the_predictor_on_the_attention_inputs(arch, kind):
                 score[n - 4 :] = float("inf")
                 expected = topk_indices(score.tolist(), budget)  # ties (repeated tokens in layer 0): lower index
                 assert cache.kept_positions(layer, row, head).tolist() == expected
+
+
+def _criticalkv_kept(model, kvzap, ratio):
+    """criticalkv-kvzap at 0.5 on the test batch -> (config, ids, {(layer, row, head): kept positions})."""
+    config = CompressionConfig(
+        method="criticalkv-kvzap", cache_size=0.5, window=4, sink_tokens=2, first_stage_ratio=ratio
+    )
+    cache = VarLenCache(model.config.num_hidden_layers, Compressor(config, kvzap=kvzap, rotary=model_rotary(model)))
+    ids, pos = _batch()
+    run_chunk(model, cache, ids, pos)
+    heads = model.config.num_key_value_heads
+    keys = [
+        (layer, row, head) for layer in range(model.config.num_hidden_layers) for row in (0, 1) for head in range(heads)
+    ]
+    return config, ids, {key: cache.kept_positions(*key).tolist() for key in keys}
+
+
+def test_criticalkv_on_the_predicted_scores_matches_the_two_stage_reference():
+    """The compressor tells CriticalKV that KVzap's scores weigh the value norm already, so its default
+    stage-1 ratio is the one documented for such scores, not the paper's 0.5 (which a set value gives)."""
+    model = tiny_model("llama", seed=2)
+    model.set_attn_implementation(register())
+    kvzap = tiny_kvzap_for(model, seed=3)
+    for name in ("weight", "position_weight"):  # flat predictions: stage 2's value norms decide part of the set
+        kvzap.tensors[name] = kvzap.tensors[name] * 0.03
+    heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    groups = model.config.num_attention_heads // heads
+    kept_sets = []
+    for ratio in (None, 0.5):
+        config, ids, kept = _criticalkv_kept(model, kvzap, ratio)
+        kept_sets.append(kept)
+        for row, pad in ((0, 0), (1, PAD)):
+            n = N - pad
+            for layer, h in enumerate(_attention_inputs(model, ids[row, pad:])):
+                attn = model.model.layers[layer].self_attn
+                value = attn.v_proj(h).view(n, heads, dim).detach()
+                pred = kvzap.predict(layer, h[None], torch.arange(n)[None], torch.tensor([n]))[0]
+                for head in range(heads):
+                    score = pred[head].clamp(max=MAX_LOG_SCORE).exp()
+                    score[:2] = float("inf")
+                    score[n - 4 :] = float("inf")
+                    norms = value_norm_reference(value[:, head], attn.o_proj.weight.detach(), head, groups, dim)
+                    expected = two_stage_reference(
+                        score.tolist(), norms, round(0.5 * n), 4, stage1_reference(config), config.epsilon
+                    )
+                    assert kept[(layer, row, head)] == expected
+        model.set_attn_implementation(register())  # _attention_inputs switched it to sdpa
+    assert kept_sets[0] != kept_sets[1], "the test must tell the two ratios apart"
 
 
 def test_shares_keep_the_row_total_and_follow_the_shares():

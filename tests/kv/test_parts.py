@@ -79,6 +79,7 @@ def _context(config, q, k, v, pos, scorer, layer=0, priors=None, o_weight=None, 
         head_priors=priors,
         kvzap=kvzap,
         selection_weighs_values=SELECTIONS[config.selection].weighs_by_value_norm,
+        scorer_weighs_values=scorer.weighs_by_value_norm,
     )
 
 
@@ -168,15 +169,16 @@ def test_allocation_matches_reference(name):
 
 @pytest.mark.parametrize("name", list(SELECTIONS))
 @pytest.mark.parametrize("norm", ["l1", "l2"])
-def test_selection_matches_reference(name, norm):
+@pytest.mark.parametrize("scorer", ["snapkv", "kvzap"])  # scores without and with the value norm in them
+def test_selection_matches_reference(name, norm, scorer):
     assert name in SELECTION_REFERENCES, f"selection {name!r} has no naive reference in tests/kv/reference.py"
-    cfg = _config(scorer="snapkv", selection=name).with_method(norm=norm)
+    cfg = _config(scorer=scorer, selection=name).with_method(norm=norm)
     n = max(LENGTHS)
     scores, pos = _peaked_scores(4, n)
     _, k, v, _ = _batch(3)
     v = v * torch.rand(2, H_KV, n, 1, generator=torch.Generator().manual_seed(5)) * 3
     o_weight = _rand(HIDDEN, H_Q * D, seed=6)
-    ctx = _context(cfg, k[:, :1].expand(-1, H_Q, -1, -1), k, v, pos, SCORERS["snapkv"], o_weight=o_weight)
+    ctx = _context(cfg, k[:, :1].expand(-1, H_Q, -1, -1), k, v, pos, SCORERS[scorer], o_weight=o_weight)
     budgets = torch.tensor([[12, 7], [5, 9]])
     keep, _ = SELECTIONS[name].select(scores, budgets, ctx, SELECTIONS[name].options_from(cfg), NormStats())
     for b, length in enumerate(LENGTHS):

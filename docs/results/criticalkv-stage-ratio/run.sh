@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The sweeps of README.md; from a worktree (outputs under /tmp/csr). Usage: run.sh STEP
 # STEP screen: the three stage-1 ratios on the 4K set (seed 0); STEP confirm RATIOS: those on 2K and 4K seed 1;
-# STEP round2: 0.75 on 2K, 0.75 and 0.9 on 4K seed 1.
+# STEP round2: 0.75 on 2K, 0.75 and 0.9 on 4K seed 1 (round2-4k: the latter alone); STEP summaries: 0.75 on 4K essays.
 PY=/work/main/.venv/bin/python
 export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD  # the driver imports the worktree's pipeline, as its Ray workers do
 T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
@@ -19,5 +19,9 @@ case "$1" in
   # round 2 (README): the runner-up on 2K, then both ratios on the fresh 4K documents in one sweep
   round2) run 2048 0 $T2 "$(methods 0.75)" /tmp/csr/round2-2k; run 4096 1 $T4 "$(methods 0.75,0.9)" /tmp/csr/round2-4k-seed1 ;;
   round2-4k) run 4096 1 $T4 "$(methods 0.75,0.9)" /tmp/csr/round2-4k-seed1 ;;
+  summaries)  # six 4K essays as ../summaries-4k/ (its sweep-a: the full cache and 0.5)
+    $PY jobs/eval_compression.py --tasks summary_essay --length 4096 --samples 6 --methods "$(methods 0.75)" \
+      --cache-sizes 0.2,0.4 --max-new-tokens 256 --settings-per-decode 16 --output /tmp/csr/summaries-4k \
+      > /tmp/csr/summaries-4k.log 2>&1; echo "summaries rc=$?"; date ;;
 esac
 echo ALLDONE

@@ -42,6 +42,7 @@ class KVzap(Scorer):
     summary = "KVzip+ scores predicted from each layer's hidden states in one pass (arXiv 2601.07891)"
     needs_hidden_states = True
     needs_kvzap_model = True
+    weighs_by_value_norm = True  # KVzip+ targets: max attention x ||W_O v_i|| / ||h||
 
     def observe(self, query, key_pos, options, window, rotary=None, inputs: LayerInputs | None = None) -> torch.Tensor:
         if inputs is None or inputs.hidden is None or inputs.kvzap is None:

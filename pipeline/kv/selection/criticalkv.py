@@ -7,6 +7,9 @@ projected value norm (:mod:`pipeline.kv.value_norms`).
 Selection per (row, KV head) with budget b_h: stage 1 keeps the top ``max(floor(alpha * b_h),
 window)`` entries by base score s (window included, as it scores +inf); stage 2 fills the remaining
 ``b_h - b1`` slots with the top entries by ``(s_i + eps) * m_i`` among those not chosen in stage 1.
+alpha is the paper's 0.5, except where the base scores already weigh ``||W_O v_i||`` (KVzap's predicted
+KVzip+ scores), whose default is :data:`VALUE_WEIGHTED_FIRST_STAGE_RATIO`: stage 2 would weigh the value
+norm a second time (measured: docs/results/criticalkv-stage-ratio/README.md).
 
 Exact L1 at lower cost: only stage-2 candidates that can reach stage 2's top k need m_i.
 Where every candidate's norm is already known (``known``, e.g. a layer shrinking to a smaller count,
@@ -31,13 +34,36 @@ from ..parts import LayerContext, Selection
 from ..ranking import kth_largest, rank_desc, topk_mask
 from ..value_norms import NormStats, OutputProjection, l1_upper_bounds, l2_norms, norms_for_mask
 
+#: the paper's stage-1 ratio (arXiv 2502.03805; kvpress ``CriticalKVPress``)
+PAPER_FIRST_STAGE_RATIO = 0.5
+#: the stage-1 ratio where the base scores already weigh ||W_O v_i|| (``Scorer.weighs_by_value_norm``):
+#: stage 2 would weigh the value norm a second time; chosen by the sweeps of
+#: docs/results/criticalkv-stage-ratio/README.md
+VALUE_WEIGHTED_FIRST_STAGE_RATIO = 0.75
+
 
 class CriticalKVOptions(BaseModel):
     """CriticalKV selection"""
 
-    first_stage_ratio: float = Field(0.5, ge=0.0, le=1.0, description="stage 1 keeps this fraction of b_h by score")
+    first_stage_ratio: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="stage 1 keeps this fraction of b_h by score",
+        json_schema_extra={
+            "shown_default": f"{VALUE_WEIGHTED_FIRST_STAGE_RATIO} where the scores already weigh the value norm "
+            f"(kvzap), else the paper's {PAPER_FIRST_STAGE_RATIO}"
+        },
+    )
     epsilon: float = Field(1e-4, ge=0.0, description="added to the score before it multiplies the value norm")
     norm: Literal["l1", "l2"] = Field("l1", description="norm of the projected value V_i W_O^h")
+
+
+def stage1_ratio(options: CriticalKVOptions, scorer_weighs_values: bool) -> float:
+    """The stage-1 ratio: the option's value, else the default for the scorer's kind of scores."""
+    if options.first_stage_ratio is not None:
+        return options.first_stage_ratio
+    return VALUE_WEIGHTED_FIRST_STAGE_RATIO if scorer_weighs_values else PAPER_FIRST_STAGE_RATIO
 
 
 def criticality_topk(
@@ -149,7 +175,7 @@ class CriticalKV(Selection):
             ctx.row_window,
             ctx.value,
             ctx.projection,  # built only if a norm must be computed
-            options.first_stage_ratio,
+            stage1_ratio(options, ctx.scorer_weighs_values),
             options.epsilon,
             options.norm,
             stats,
