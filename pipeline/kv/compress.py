@@ -96,6 +96,11 @@ class Compressor:
         """The scorer reads each layer's attention input during the prefill (KVzap)."""
         return self.scorer is not None and self.scorer.needs_hidden_states
 
+    @property
+    def scorer_weighs_values(self) -> bool:
+        """The scorer's scores already weigh the projected value norm (KVzap; ``LayerContext``)."""
+        return self.scorer is not None and self.scorer.weighs_by_value_norm
+
     def projection(self, layer_idx: int, module: torch.nn.Module, num_kv_heads: int, head_dim: int) -> OutputProjection:
         """W_O slices of a layer in float32. Only the latest layer's are cached (a float32 copy of every
         layer's ``o_proj`` would be 38 MiB on SmolLM2, GiBs on 8B models, held for the engine's life;
@@ -177,7 +182,7 @@ class Compressor:
             head_priors=self.head_priors,
             kvzap=self.kvzap,
             selection_weighs_values=self.selection.weighs_by_value_norm,
-            scorer_weighs_values=self.scorer is not None and self.scorer.weighs_by_value_norm,
+            scorer_weighs_values=self.scorer_weighs_values,
             context_lengths=context_lengths,
         )
 

@@ -49,7 +49,7 @@ def select_from_held(
         head_priors=compressor.head_priors,
         kvzap=compressor.kvzap,
         selection_weighs_values=compressor.selection.weighs_by_value_norm,
-        scorer_weighs_values=compressor.scorer is not None and compressor.scorer.weighs_by_value_norm,
+        scorer_weighs_values=compressor.scorer_weighs_values,
         known_norms=None if known_norms is None else known_norms.view(bsz, heads, width),
     )
     selected = compressor.select(ctx, scores, budget)
