@@ -1,4 +1,5 @@
-"""Copy a sweep's output into this folder with its rows in one Parquet file.
+"""Copy a sweep's rows (one Parquet file) and report into this folder; the run's manifest stays behind
+(its command and revision are in README.md; ``python -m pipeline.report DST`` remakes the report from the rows).
 
 python compact.py SRC DST     # SRC: the job's --output; DST: e.g. screen-4k
 """
@@ -13,7 +14,6 @@ src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 (dst / "data").mkdir(parents=True, exist_ok=True)
 table = pq.read_table(src / "data")
 pq.write_table(table, dst / "data" / "rows.parquet", compression="zstd")
-for name in ("manifest.json", "report.md"):
-    if (src / name).exists():
-        shutil.copy(src / name, dst / name)
+if (src / "report.md").exists():
+    shutil.copy(src / "report.md", dst / "report.md")
 print(dst, table.num_rows, "rows")
