@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The calibrations and sweeps of README.md; from a worktree (outputs under /tmp/perlen). Usage: run.sh STEP
+# STEP calibrate: one file per length (4K, then 2K), the shipped calibration's settings at one length each;
+# STEP sweep: each file on the RULER set of its length (2K seed 0, 4K seed 0, 4K seed 1).
+PY=/work/main/.venv/bin/python
+export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD  # the driver imports the worktree's pipeline, as its Ray workers do
+T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
+T4=niah_multikey_1,niah_multivalue,niah_single_3,niah_single_2,niah_single_1
+O=/tmp/perlen; mkdir -p $O
+calibrate() {  # length
+  $PY jobs/calibrate_kvzap.py --lengths $1 --documents 16 --sample-tokens 384 --output $O/kvzap-$1.safetensors \
+    > $O/calibrate-$1.log 2>&1; echo "calibrate $1 rc=$?"; date
+}
+sweep() {  # length seed tasks output
+  $PY jobs/eval_compression.py --tasks $3 --length $1 --samples 10 --seed $2 --methods criticalkv-shares-kvzap \
+    --kvzap-model $O/kvzap-$1.safetensors --cache-sizes 0.1,0.2,0.4 --max-new-tokens 48 --settings-per-decode 16 \
+    --output $4 > $4.log 2>&1; echo "$4 rc=$?"; date
+}
+date
+case "$1" in
+  calibrate) calibrate 4096; calibrate 2048 ;;
+  sweep) sweep 2048 0 $T2 $O/sweep-2k; sweep 4096 0 $T4 $O/sweep-4k; sweep 4096 1 $T4 $O/sweep-4k-seed1 ;;
+esac
+echo ALLDONE
