@@ -24,8 +24,10 @@ to give cross-layer budgets while compressing each layer right after its attenti
 top-k gives a head depends on the context's length as well as on the kept fraction (at 0.2 the
 shares of 4K-token documents differ from those of 512-token ones by a quarter of the budget), so a
 calibration over several lengths may keep one table per length (``--shares-by-length``): shares
-(N, S, L, H_kv) with ``share_lengths`` (N,), interpolated in log length. The file that holds all of
-this is read and written by :mod:`pipeline.engine.kvzap_file`.
+(N, S, L, H_kv) with ``share_lengths`` (N,), interpolated in log length. A linear file may hold one
+predictor per length as well (weight (N, L, H_kv, hidden), bias (N, L, H_kv), :attr:`KVzapModel.per_length`,
+made by :func:`per_length_model` from files fitted at one length each), read at each row's length the same
+way. The file that holds all of this is read and written by :mod:`pipeline.engine.kvzap_file`.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class KVzapModelOptions(BaseModel):
 
 @dataclass
 class KVzapModel:
-    """Per-layer predictors and shares. weight: (L, H_kv, hidden), bias: (L, H_kv) (linear), or
+    """Per-layer predictors and shares. weight: (L, H_kv, hidden), bias: (L, H_kv) (linear; with one
+    predictor per entry of ``share_lengths``: (N, L, H_kv, hidden) and (N, L, H_kv)), or
     w1: (L, M, hidden), b1: (L, M), w2: (L, H_kv, M), b2: (L, H_kv) (mlp), and optionally
     position_weight: (L, H_kv, 3) (:func:`position_features`); shares: (S, L, H_kv)
     float32 with mean 1 over (L, H_kv) at each size, or (N, S, L, H_kv) with one table per context
@@ -82,6 +85,7 @@ class KVzapModel:
         position = self.tensors.get("position_weight")
         if position is not None and (position.dim() != 3 or position.shape[-1] != POSITION_FEATURES):
             raise ValueError(f"KVzap position_weight must be (L, H_kv, {POSITION_FEATURES})")
+        self._check_per_length()
         tables = 3 if self.share_lengths is None else 4
         if (
             self.shares.dim() != tables
@@ -99,6 +103,22 @@ class KVzapModel:
                 or not bool((lengths[1:] > lengths[:-1]).all())
             ):
                 raise ValueError("KVzap share_lengths must be (N,) ascending, one per shares table")
+
+    def _check_per_length(self) -> None:
+        """A linear file may hold one predictor per calibration length: weight (N, L, H_kv, hidden) and
+        bias (N, L, H_kv), one per entry of ``share_lengths`` (its shares are per length too)."""
+        if not self.per_length:
+            return
+        weight, bias = self.tensors["weight"], self.tensors["bias"]
+        if self.share_lengths is None or weight.shape[0] != self.share_lengths.numel() or bias.dim() != 3:
+            raise ValueError("KVzap per-length predictors need bias (N, L, H_kv) and one share_lengths entry per N")
+        if self.uses_positions:
+            raise ValueError("KVzap per-length predictors take no position_weight")
+
+    @property
+    def per_length(self) -> bool:
+        """One linear predictor per calibration length (``share_lengths``), interpolated in log length."""
+        return self.kind == "linear" and self.tensors["weight"].dim() == 4
 
     @property
     def num_layers(self) -> int:
@@ -124,6 +144,10 @@ class KVzapModel:
         """Predicted log-scores of one layer's entries: :meth:`predict_from_hidden` plus, for a file
         with position weights, :meth:`position_term` (which needs ``key_pos`` (B, n) and ``lengths`` (B,))."""
         out = self.predict_from_hidden(layer_idx, hidden)
+        if self.per_length:
+            if lengths is None:
+                raise ValueError("this KVzap file predicts per context length: pass the context lengths")
+            return self.at_lengths(out, lengths)
         if not self.uses_positions:
             return out
         if key_pos is None or lengths is None:
@@ -137,15 +161,30 @@ class KVzapModel:
         return torch.matmul(features, weight[layer_idx].float().T).transpose(1, 2)
 
     def predict_from_hidden(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
-        """The predictor's term in the attention input. hidden: (B, n, hidden) -> (B, H_kv, n) float32."""
+        """The predictor's term in the attention input. hidden: (B, n, hidden) -> (B, H_kv, n) float32,
+        or (B, N, H_kv, n) from each of a :attr:`per_length` file's N predictors (:meth:`at_lengths`
+        then reads them at each row's length)."""
         h = hidden.float()
         t = self.tensors
+        if self.per_length:
+            out = torch.einsum("bnd,khd->bkhn", h, t["weight"][:, layer_idx].float())
+            return out + t["bias"][:, layer_idx].float()[None, :, :, None]
         if self.kind == "linear":
             out = torch.matmul(h, t["weight"][layer_idx].T) + t["bias"][layer_idx]
         else:
             mid = F.gelu(torch.matmul(h, t["w1"][layer_idx].T) + t["b1"][layer_idx])
             out = torch.matmul(mid, t["w2"][layer_idx].T) + t["b2"][layer_idx]
         return out.transpose(1, 2)
+
+    def at_lengths(self, predicted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """A :attr:`per_length` file's predictions (B, N, H_kv, n) at each row's context length (B,):
+        linear in log length between the two calibration lengths around it, the nearest one outside
+        them -> (B, H_kv, n) float32. Predictions of one predictor (B, H_kv, n) pass through."""
+        if predicted.dim() == 3:
+            return predicted
+        at = self.share_lengths.double().log()
+        x = lengths.to(predicted.device).double().clamp(min=1).log()
+        return _interpolate(predicted.transpose(0, 1).double(), at, x).float()
 
     def shares_at(self, fractions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Shares at each row's kept fraction and context length: linear in the fraction between
@@ -178,3 +217,19 @@ def _interpolate(tables: torch.Tensor, at: torch.Tensor, x: torch.Tensor) -> tor
     lo, hi = at[upper - 1], at[upper]
     t = ((x - lo) / (hi - lo)).clamp(0.0, 1.0)[:, None, None]
     return tables[upper - 1, rows] * (1 - t) + tables[upper, rows] * t
+
+
+def per_length_model(models: list[KVzapModel], lengths: list[int]) -> KVzapModel:
+    """One file from linear single-length files, each read at its own context length (ascending
+    ``lengths``, one per model): their predictors and tables stacked along a length axis (N, ...),
+    so that :meth:`KVzapModel.predict` and :meth:`KVzapModel.shares_at` interpolate between them
+    in log length. Each model must hold one pooled linear predictor without a position term and one
+    shares table, at the same kept fractions."""
+    for m in models:
+        if m.kind != "linear" or m.per_length or m.uses_positions or m.share_lengths is not None:
+            raise ValueError("per_length_model combines files of one pooled linear predictor and one shares table")
+        if not torch.equal(m.share_sizes, models[0].share_sizes):
+            raise ValueError("per_length_model: the files' shares are calibrated at different kept fractions")
+    tensors = {name: torch.stack([m.tensors[name] for m in models]) for name in ("weight", "bias")}
+    shares = torch.stack([m.shares for m in models])
+    return KVzapModel("linear", tensors, shares, models[0].share_sizes, torch.tensor(lengths, dtype=torch.float32))

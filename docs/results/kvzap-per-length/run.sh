@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The calibrations and sweeps of README.md; from a worktree (outputs under /tmp/perlen). Usage: run.sh STEP
 # STEP calibrate: one file per length (4K, then 2K), the shipped calibration's settings at one length each;
-# STEP sweep: each file on the RULER set of its length (2K seed 0, 4K seed 0, 4K seed 1).
+# STEP sweep: each file on the RULER set of its length (2K seed 0, 4K seed 0, 4K seed 1);
+# STEP round2: candidate H (make_h.py) against the shipped file at 3K, then H at 2K.
 PY=/work/main/.venv/bin/python
 export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD  # the driver imports the worktree's pipeline, as its Ray workers do
 T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
@@ -20,5 +21,14 @@ date
 case "$1" in
   calibrate) calibrate 4096; calibrate 2048 ;;
   sweep) sweep 2048 0 $T2 $O/sweep-2k; sweep 4096 0 $T4 $O/sweep-4k; sweep 4096 1 $T4 $O/sweep-4k-seed1 ;;
+  round2)  # candidate H (make_h.py) and the shipped file side by side on a 3K set, then H on the 2K set
+    $PY docs/results/kvzap-per-length/make_h.py $O/kvzap-h.safetensors
+    H="criticalkv-shares-kvzap[kvzap_model=$O/kvzap-h.safetensors]"
+    $PY jobs/eval_compression.py --tasks $T4 --length 3072 --samples 10 --seed 0 --methods "$H,criticalkv-shares-kvzap" \
+      --cache-sizes 0.1,0.2,0.4 --max-new-tokens 48 --settings-per-decode 16 --output $O/round2-3k > $O/round2-3k.log 2>&1
+    echo "round2-3k rc=$?"; date
+    $PY jobs/eval_compression.py --tasks $T2 --length 2048 --samples 10 --seed 0 --methods "$H" \
+      --cache-sizes 0.1,0.2,0.4 --max-new-tokens 48 --settings-per-decode 16 --output $O/round2-2k > $O/round2-2k.log 2>&1
+    echo "round2-2k rc=$?"; date ;;
 esac
 echo ALLDONE

@@ -5,7 +5,8 @@ to a predicted KVzip+ log-score per KV head; the score is its exponential (a pre
 value-norm mass, non-negative like the other scorers', so CriticalKV's ``(A_i + eps) * m_i`` reads
 it the same way). Cost: one (n x hidden) @ (hidden x H_kv) matmul per layer. A file with position
 weights adds its term in each entry's position and the row's context length (the whole context's,
-also in a chunked prefill) before the exponential.
+also in a chunked prefill) before the exponential; a file with one predictor per calibration length
+reads them at that length (linear in log length between the two around it).
 
 The weights come from a calibration on the model itself (``jobs/calibrate_kvzap.py``); a file made
 for another model is refused. The first ``sink_tokens`` entries and the observation window are
@@ -54,7 +55,9 @@ class KVzap(Scorer):
 
     def score(self, ctx: LayerContext, options: KVzapOptions) -> torch.Tensor:
         predicted = ctx.observed
+        lengths = ctx.lengths if ctx.context_lengths is None else ctx.context_lengths
+        if ctx.kvzap is not None and ctx.kvzap.per_length:
+            predicted = ctx.kvzap.at_lengths(predicted, lengths)
         if ctx.kvzap is not None and ctx.kvzap.uses_positions:
-            lengths = ctx.lengths if ctx.context_lengths is None else ctx.context_lengths
             predicted = predicted + ctx.kvzap.position_term(ctx.layer_idx, ctx.key_pos, lengths)
         return kvzap_scores(predicted, ctx.key_pos, ctx.row_window, options.sink_tokens)
