@@ -1,5 +1,6 @@
-"""Candidate H of README.md, round 2: the shipped SmolLM2 file read at 2,048 tokens and below, the 4K
-file of this folder at 4,096 and above, linear in log length between (one file, two predictors and tables).
+"""Candidate H of README.md, round 2: the pooled SmolLM2 file (shipped until 2026-12-06, kept here as
+``kvzap-pooled.safetensors``) read at 2,048 tokens and below, the 4K file of this folder at 4,096 and above,
+linear in log length between (one file, two predictors and tables).
 
 python make_h.py OUT.safetensors
 """
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from pipeline.engine.kvzap_file import read_metadata, shipped_kvzap, write_kvzap
+from pipeline.engine.kvzap_file import read_metadata, write_kvzap
 from pipeline.kv.kvzap_model import KVzapModel, per_length_model
 
 
@@ -20,7 +21,8 @@ def read(path: Path) -> KVzapModel:
     return KVzapModel(read_metadata(path)["kind"], tensors, shares, sizes, tensors.pop("share_lengths", None))
 
 
-shipped, four_k = shipped_kvzap("smollm2"), Path(__file__).parent / "kvzap-4096.safetensors"
+here = Path(__file__).parent
+shipped, four_k = here / "kvzap-pooled.safetensors", here / "kvzap-4096.safetensors"
 meta = read_metadata(shipped)
 combined = per_length_model([read(shipped), read(four_k)], [2048, 4096])
 fit = {"per_length": {"2048": meta["fit"].get("mean"), "4096": read_metadata(four_k)["fit"].get("mean")}}
