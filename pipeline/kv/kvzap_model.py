@@ -179,9 +179,7 @@ class KVzapModel:
     def at_lengths(self, predicted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """A :attr:`per_length` file's predictions (B, N, H_kv, n) at each row's context length (B,):
         linear in log length between the two calibration lengths around it, the nearest one outside
-        them -> (B, H_kv, n) float32. Predictions of one predictor (B, H_kv, n) pass through."""
-        if predicted.dim() == 3:
-            return predicted
+        them -> (B, H_kv, n) float32."""
         at = self.share_lengths.double().log()
         x = lengths.to(predicted.device).double().clamp(min=1).log()
         return _interpolate(predicted.transpose(0, 1).double(), at, x).float()
@@ -226,7 +224,7 @@ def per_length_model(models: list[KVzapModel], lengths: list[int]) -> KVzapModel
     in log length. Each model must hold one pooled linear predictor without a position term and one
     shares table, at the same kept fractions."""
     for m in models:
-        if m.kind != "linear" or m.per_length or m.uses_positions or m.share_lengths is not None:
+        if m.kind != "linear" or m.uses_positions or m.share_lengths is not None:  # per-length files have lengths
             raise ValueError("per_length_model combines files of one pooled linear predictor and one shares table")
         if not torch.equal(m.share_sizes, models[0].share_sizes):
             raise ValueError("per_length_model: the files' shares are calibrated at different kept fractions")
