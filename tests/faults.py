@@ -10,6 +10,9 @@ Directives (a JSON object):
   retried batch succeeds;
 * ``raise_after_batches`` N (+ ``raise_delay_s``): an actor raises when asked for batch N+1;
 * ``error_doc_ids``: generation raises for batches holding these documents.
+* ``wait_for_commit``: ``{"before": doc id, "dir": output data directory, "timeout_s": s, "marker": path}``:
+  the prefill of that document first waits (at most ``timeout_s``) until the driver has committed a
+  file in ``dir``, and writes to ``marker`` whether it saw one (``committed``) or gave up (``timeout``).
 
 In-process: ``pipeline.hooks.install(Faults({...}))``. In Ray actors: the tests' engine factory
 (``tests/distributed/helpers.py``) calls :func:`install_from_environment`, which installs :func:`hook`
@@ -30,7 +33,16 @@ import torch
 from pipeline import hooks
 
 FILE_ENV = "CRITICALKV_TEST_FAULTS_FILE"
-KNOWN = {"oom", "oom_above", "crash", "crash_marker", "raise_after_batches", "raise_delay_s", "error_doc_ids"}
+KNOWN = {
+    "oom",
+    "oom_above",
+    "crash",
+    "crash_marker",
+    "raise_after_batches",
+    "raise_delay_s",
+    "error_doc_ids",
+    "wait_for_commit",
+}
 
 
 class InjectedFault(RuntimeError):
@@ -50,6 +62,7 @@ class Faults:
         doc_ids = set(context.get("doc_ids", ()))
         if event == "engine.prefill":
             self._crash(doc_ids)
+            self._wait_for_commit(doc_ids)
             hit = set(self.d.get("oom", ())) & doc_ids
             if hit and context.get("cache_size", 1.0) > self.d.get("oom_above", -1.0):
                 raise torch.OutOfMemoryError(
@@ -64,6 +77,17 @@ class Faults:
             bad = sorted(set(self.d.get("error_doc_ids", ())) & doc_ids)
             if bad:
                 raise InjectedFault(f"fault injection: generation failed for document {bad[0]!r}")
+
+    def _wait_for_commit(self, doc_ids: set[str]) -> None:
+        wait = self.d.get("wait_for_commit")
+        if not wait or wait["before"] not in doc_ids:
+            return
+        deadline = time.monotonic() + wait["timeout_s"]
+        seen = False
+        while not seen and time.monotonic() < deadline:
+            seen = any(Path(wait["dir"]).glob("part-*.parquet"))
+            time.sleep(0.05)
+        Path(wait["marker"]).write_text("committed" if seen else "timeout")
 
     def _crash(self, doc_ids: set[str]) -> None:
         if not set(self.d.get("crash", ())) & doc_ids:

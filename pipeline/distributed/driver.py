@@ -27,10 +27,10 @@ Input and output may be local paths or ``s3://`` / ``gs://`` URIs (:mod:`pipelin
 4. **Ray**: ``map_batches(Predictor, compute=ActorPoolStrategy(min_actors, max_actors),
    num_gpus=gpus_per_actor, num_cpus=cpus_per_actor, batch_size=config.batch_size_for(documents),
    batch_format="pyarrow")``; an actor yields each document's rows as it is answered (one packed row,
-   its own block), the driver iterates the blocks (``iter_batches(batch_size=None)``) and commits each
-   document as one Parquet file as it arrives (:class:`~pipeline.distributed.sink.BatchCommitter`, an
-   atomic commit per file), while its call still decodes; a driver killed at any moment leaves only whole files; with
-   ``echo`` a line per committed file says how many documents are done. Committing on the driver
+   its own block), the driver iterates the blocks (``iter_batches(batch_size=None, prefetch_batches=0)``)
+   and commits each document as one Parquet file (:class:`~pipeline.distributed.sink.BatchCommitter`, atomic)
+   as it arrives, while its call still decodes; a driver killed at any moment leaves only whole files;
+   with ``echo`` a line per committed file says how many documents are done. Committing on the driver
    puts the files where the next run looks and needs no write-task workers (see the committer).
    Ray starts locally when none is running (``ray.init(address="local")``), or connects to
    ``ray_address`` / ``$RAY_ADDRESS`` (a head started with ``ray start --head``, a cluster, or the
@@ -309,15 +309,14 @@ class _Run:
             print(message, file=sys.stderr, flush=True)
 
     def _commit_results(self, ds, docs_scheduled: int | None) -> None:
-        """Drive the pipeline and commit each actor batch's rows on the driver as it arrives; rows
-        already received are committed even when the run fails part-way (they are whole documents)."""
+        """Drive the pipeline and commit each document's rows on the driver as it arrives; rows
+        already received are committed even when the run fails part-way (they are whole documents).
+        No prefetch: Ray's default (one block) hands a block on only once the next one has arrived."""
+        printer = _progress_printer(docs_scheduled) if self.echo else None
         committer = sink.BatchCommitter(
-            self.out.data_location,
-            self.config.fingerprint(),
-            self.config.rows_per_file,
-            on_commit=_progress_printer(docs_scheduled) if self.echo else None,
+            self.out.data_location, self.config.fingerprint(), self.config.rows_per_file, on_commit=printer
         )
-        committer.commit_all(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+        committer.commit_all(ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0))
 
     def _record_end(
         self, manifest: dict, run: RunRecord, error: BaseException | None, this_run: pa.Table, final

@@ -133,10 +133,11 @@ class ContinuousBatching(_Strict):
         "caches fit --kv-memory, rows leaving as their answers end and waiting documents joining as memory frees; "
         "off: prefilled together (left padded), then decoded in the same loop (as sweeps are)",
     )
-    # docs/BENCHMARKS.md, "Documents committed as they finish": 0.5 spreads a call's commits over it for
-    # 12-15 % more call time on CPU (0.25: 7-8 %, only the first document early), so 0 stays the default
+    # docs/BENCHMARKS.md, "Documents committed as they finish": 0.25 ends (and commits) a call's first
+    # document early for 7-8 % more call time on CPU (issue #50: a crash loses only unfinished documents,
+    # and a job's first file comes long before its last); 0.5 spreads the ends over the call for 12-15 %
     decode_between_prefills: float = Field(
-        0.0,
+        0.25,
         ge=0,
         le=100,
         description="while documents of a call wait to be prefilled, the rows already decoding take decode "

@@ -71,6 +71,26 @@ def test_an_automatic_batch_decodes_an_actors_documents_together(local_ray, tmp_
     assert len(files) == 5 and all(len(ids) == 1 for ids in per_file)
 
 
+def test_a_document_is_committed_while_its_call_still_works(local_ray, faults, tmp_path):
+    """Issue #50: the first document of a call of two is committed before the second is prefilled.
+    The second's prefill waits for that commit (at most 60 s); an iterator that hands a block on only
+    when the next arrives (Ray's ``prefetch_batches=1``) would leave it waiting for itself."""
+    docs = small_docs(2)
+    path = write_documents(docs, tmp_path / "in.parquet")
+    marker = tmp_path / "commit-seen"
+    config = tiny_config(
+        tmp_path / "out",
+        input=str(path),
+        rows_per_file=None,
+        generation={"batch_size": 2, "decode_between_prefills": 100.0},  # the first ends before the next prefill
+    )
+    wait = {"before": docs[1]["doc_id"], "dir": str(tmp_path / "out" / "data"), "timeout_s": 60, "marker": str(marker)}
+    faults(wait_for_commit=wait)
+    result = run_job(config, echo=False)
+    assert marker.read_text() == "committed"
+    assert result.rows_written == sum(len(d["question_ids"]) for d in docs)
+
+
 def test_every_question_exactly_once_with_schema_types(first_run):
     docs, config, result = first_run
     table = _read(result.data_dir)
