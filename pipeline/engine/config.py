@@ -60,14 +60,18 @@ class ModelConfig(_Strict):
         description="tokens per slice of the MLP blocks in a long forward: same values, the MLP's "
         "intermediate activations held for one slice instead of the whole context (0: whole)",
     )
-    layerwise_prefill: int = Field(
-        0,
+    layerwise_prefill: int | None = Field(
+        None,
         ge=0,
         description="tokens per slice of a layer-by-layer context prefill: each layer runs over the whole "
         "context a slice at a time before the next layer, and methods that decide per layer compress it "
         "at once, so the prefill holds one slice's activations and one layer's dense K/V besides the "
         "cache; the same kept entries as one forward, values equal up to float rounding (0: one forward; "
         "Llama, Mistral and Qwen2/3 models)",
+        # docs/BENCHMARKS.md, "Layer-by-layer prefill": on CPU 1024-token slices take the one-pass
+        # default's peak from 0.57x to 0.39-0.41x of the full cache for 1.05-1.11x the prefill time;
+        # not measured on a GPU, so one forward there until it is
+        json_schema_extra={"shown_default": "auto: 1024 on CPU where the model allows it, else 0"},
     )
     max_context_tokens: int | None = Field(
         None, ge=16, description="context window; longer contexts are cut (default: the model's window)"

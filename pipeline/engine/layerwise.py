@@ -25,6 +25,7 @@ LOG = logging.getLogger(__name__)
 
 # model types whose forward is embed -> rotary -> decoder layers -> norm (checked in their transformers code)
 LAYERWISE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+AUTO_LAYERWISE_SLICE = 1024  # tokens per slice where ``layerwise_prefill`` is left to auto (CPU; ModelConfig)
 
 
 def layerwise_unsupported(model: torch.nn.Module) -> str | None:

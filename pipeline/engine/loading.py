@@ -31,6 +31,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .config import ModelConfig
 from .feed_forward import chunk_feed_forward
+from .layerwise import AUTO_LAYERWISE_SLICE, layerwise_unsupported
 from .model_source import ModelNotFoundError, fetch_hub, fetch_object_store, kind_of, node_lock
 
 __all__ = ["ModelNotFoundError", "RemoteCodeRefused", "LoadedModel", "load_model", "resolve_model_path"]
@@ -199,4 +200,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     apply_weight_layout(model, config.weight_layout)
     chunk_feed_forward(model, config.feed_forward_chunk)
     elapsed = time.perf_counter() - t0
-    return LoadedModel(model, tokenizer, config.name, device, dtype, elapsed, config.layerwise_prefill)
+    layerwise = config.layerwise_prefill
+    if layerwise is None:  # auto (the field's shown default)
+        layerwise = AUTO_LAYERWISE_SLICE if device.type == "cpu" and layerwise_unsupported(model) is None else 0
+    return LoadedModel(model, tokenizer, config.name, device, dtype, elapsed, layerwise)

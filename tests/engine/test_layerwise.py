@@ -7,7 +7,8 @@
   dense K/V at a time), and the sliced state holds no buffer between layers;
 * through the engine (batch path and continuous batching): the same answers and kept entries as one
   forward, KVzip's reconstruction passes included; scorers that need every query at once and models
-  outside the supported families are prefilled in one forward.
+  outside the supported families are prefilled in one forward;
+* left unset (auto), 1024-token slices on CPU for the supported families, one forward elsewhere.
 """
 
 import types
@@ -176,3 +177,32 @@ def test_engine_answers_and_kept_entries_are_those_of_one_forward(method, contin
     assert results[0] == results[1]
     assert all(error is None for *_, error in results[0])
     assert calls == ([] if method in WHOLE_QUERIES else [16] * (1 if not continuous else 2))
+
+
+def test_left_to_auto_it_slices_on_cpu_where_the_model_allows_and_says_nothing_elsewhere(tmp_path, caplog):
+    """``layerwise_prefill`` unset: 1024-token slices on CPU for a supported family, one forward for
+    another family (without the warning an explicit value gets) and wherever it is set to 0."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.layerwise import AUTO_LAYERWISE_SLICE
+    from pipeline.engine.loading import load_model
+    from tests.engine.test_model_source import save_tiny
+    from tests.tiny import tiny_tokenizer
+
+    llama = save_tiny(tmp_path / "llama")
+    loaded = load_model(ModelConfig(name=str(llama), device="cpu"))
+    assert AUTO_LAYERWISE_SLICE == 1024 and loaded.layerwise_prefill == AUTO_LAYERWISE_SLICE
+    assert load_model(ModelConfig(name=str(llama), device="cpu", layerwise_prefill=0)).layerwise_prefill == 0
+    assert load_model(ModelConfig(name=str(llama), device="cpu", layerwise_prefill=256)).layerwise_prefill == 256
+    tokenizer = tiny_tokenizer()
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tokenizer), n_positions=256, n_embd=32, n_layer=1, n_head=2)
+    ).save_pretrained(gpt2)
+    tokenizer.save_pretrained(gpt2)
+    caplog.clear()
+    loaded = load_model(ModelConfig(name=str(gpt2), device="cpu"))
+    assert loaded.layerwise_prefill == 0
+    Engine(loaded, CompressionConfig(method="snapkv", cache_size=0.5, window=4), GenerationConfig(max_new_tokens=1))
+    assert "ignored" not in caplog.text
