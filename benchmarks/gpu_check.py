@@ -15,7 +15,8 @@ read) and methods interleaved within each repeat (medians):
   :func:`benchmarks.gpu_batch.finish_passes`; ragged) / the learned one-pass scorer
   ``criticalkv-shares-kvzap`` (a random predictor of the model's shape) in one pass and with the
   chunked prefill (``[chunked]``: ``--prefill-chunk`` tokens a chunk, default 4,096;
-  :func:`benchmarks.gpu_batch.chunked_prefill`),
+  :func:`benchmarks.gpu_batch.chunked_prefill`) and layer by layer (``[layerwise]``, 1024-token slices,
+  the CPU default; this row decides whether it becomes the GPU default too),
   driven exactly like ``benchmarks/common.py`` drives it: ``VarLenCache`` + ``Compressor`` + the
   attention function from ``pipeline.kv.attention.registered.register``; one ``Compressor`` per method reused
   across repeats, as an engine does;
@@ -65,11 +66,14 @@ from benchmarks.gpu_batch import (
 )
 from benchmarks.gpu_check_report import markdown
 from benchmarks.gpu_model import LLAMA_31_8B, SMOKE, build_model, compressor
+from pipeline.engine.layerwise import AUTO_LAYERWISE_SLICE, layerwise_prefill
 from pipeline.kv.attention.varlen_kernels import KernelChoice
 from pipeline.kv.compress import Compressor
+from pipeline.kv.prefill.rules import plan_prefill
 from pipeline.kv.storage.cache import VarLenCache, run_chunk
 
 CHUNKED = "criticalkv-shares-kvzap[chunked]"  # the learned scorer, chunked prefill (--prefill-chunk) with eviction
+LAYERWISE = "criticalkv-shares-kvzap[layerwise]"  # the same, layer by layer in 1024-token slices (the CPU default)
 METHODS = (
     "none",
     "snapkv",
@@ -78,6 +82,7 @@ METHODS = (
     "criticalkv-layer-kvzip",
     "criticalkv-shares-kvzap",
     CHUNKED,
+    LAYERWISE,
     "kvzip",  # last: the default without CriticalKV, as slow; the first a short time budget skips
 )
 THROUGHPUT = {"none": (None,), "snapkv": (None,), "criticalkv-layer-kvzip": (None, "sdpa")}  # method: forced kernels
@@ -109,14 +114,17 @@ def chunk_of(method: str, prefill_chunk: int) -> int | None:
 
 # ------------------------------------------------------------------ prefill / decode (as benchmarks/common.py)
 @torch.inference_mode()
-def prefill(model, compressor: Compressor, ids: torch.Tensor) -> tuple[float, VarLenCache]:
+def prefill(model, compressor: Compressor, ids: torch.Tensor, layer_slice: int = 0) -> tuple[float, VarLenCache]:
     device = ids.device
     cache = VarLenCache(model.config.num_hidden_layers, compressor)
     pos = torch.arange(ids.shape[1], device=device)[None]
+    plan = plan_prefill(compressor.config, layer_slice, ids.shape[1])
     sync(device)
     t0 = time.perf_counter()
     if compressor.config.chunked:
         chunked_prefill(model, cache, ids, compressor.config.prefill_chunk)
+    elif plan.forward == "layer-by-layer":
+        layerwise_prefill(model, cache, ids, pos, plan)
     else:
         run_chunk(model, cache, ids, pos, logits_to_keep=1)
     if cache.prefill is not None and cache.prefill.awaiting_passes is not None:  # KVzip: the passes, then compression
@@ -161,9 +169,10 @@ class Check:
         sync(self.device)
         self.init_s = time.monotonic() - t0
         self.compressors = {
-            m: compressor(m.removesuffix("[chunked]"), args.cache_size, self.model, chunk_of(m, args.prefill_chunk))
+            m: compressor(m.split("[")[0], args.cache_size, self.model, chunk_of(m, args.prefill_chunk))
             for m in METHODS
         }
+        self.slices = {m: AUTO_LAYERWISE_SLICE if m == LAYERWISE else 0 for m in METHODS}
         self.gen = torch.Generator(device=self.device).manual_seed(1)
         self.warnings: list[str] = []
         self.throughput: list[dict] = []  # rows of the batch table, filled by measure_cell
@@ -190,7 +199,7 @@ class Check:
         for m in METHODS:
 
             def short_run(m=m):
-                _, cache = prefill(self.model, self.compressors[m], warm)
+                _, cache = prefill(self.model, self.compressors[m], warm, self.slices[m])
                 decode_ms_per_token(self.model, cache, warm.shape[1], 1, 1)
 
             self.warm_up(f"{m} at {warm.shape[1]} tokens", short_run)
@@ -243,7 +252,7 @@ class Check:
         try:
             free(device)
             reset_peak(device)
-            seconds, cache = prefill(self.model, self.compressors[c["runs"]], ids)
+            seconds, cache = prefill(self.model, self.compressors[c["runs"]], ids, self.slices[c["runs"]])
             c["prefill_s"].append(seconds)
             c["compress_s"].append(cache.compress_seconds)
             c["peak_prefill"] = max(c.get("peak_prefill") or 0, peak_bytes(device) or 0) or None
