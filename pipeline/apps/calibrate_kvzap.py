@@ -81,7 +81,9 @@ class TargetWorker:
     def __init__(self, model: dict) -> None:
         from pipeline.engine.engine import Engine  # inside the actor: the model loads there
 
-        self.engine = Engine(load_model(ModelConfig.model_validate(model)))
+        # the targets record every layer's input over the whole context: one forward, not layer by layer
+        config = ModelConfig.model_validate(model).model_copy(update={"layerwise_prefill": 0})
+        self.engine = Engine(load_model(config))
 
     def targets(self, doc: dict, sample_tokens: int, share_sizes: list[float], seed: int) -> DocumentTargets:
         if doc.get("length") is None:  # a user's document: its length bucket, from this model's tokenizer

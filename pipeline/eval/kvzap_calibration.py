@@ -76,7 +76,10 @@ def _global_shares(scores: list[torch.Tensor], key_pos: torch.Tensor, sizes: lis
 
 @torch.inference_mode()
 def document_targets(engine, doc: dict, sample_tokens: int, share_sizes: list[float], seed: int) -> DocumentTargets:
-    """Training pairs of one calibration document (see the module docstring)."""
+    """Training pairs of one calibration document (see the module docstring). ``engine`` prefills in one
+    forward (``layerwise_prefill=0``): a layer-by-layer prefill records each layer's input a slice at a time."""
+    if engine.context_prefill.layer_slice:
+        raise ValueError("calibration targets need a one-forward prefill: load the model with layerwise_prefill=0")
     config = CompressionConfig(method="layer-kvzip", cache_size=0.5, kvzip_plus=True)
     request = Request(doc["doc_id"], doc["context"], ["Summarize."])
     rows = engine._rows_for(request)[:1]

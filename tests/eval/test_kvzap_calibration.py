@@ -90,6 +90,16 @@ def test_targets_are_the_kvzip_plus_scores_at_sampled_entries():
         assert abs(float(got.shares[s].mean()) - 1.0) < 1e-6
 
 
+def test_targets_refuse_a_layer_by_layer_prefill():
+    """Layer by layer, each layer's input is recorded a slice at a time: the targets would be wrong."""
+    from dataclasses import replace
+
+    engine = Engine(replace(tiny_loaded(), layerwise_prefill=16))
+    doc = {"doc_id": "d", "kind": "essay", "length": 100, "context": TEXT * 2}
+    with pytest.raises(ValueError, match="one-forward prefill"):
+        document_targets(engine, doc, sample_tokens=20, share_sizes=[0.2], seed=0)
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_fit_predicts_held_out_documents_of_a_tiny_model(kind):
     engine = Engine(tiny_loaded())
