@@ -2,6 +2,8 @@
 
     python bounded.py targets OUT.pt       # the shipped pooled calibration's 56 documents -> KVzip+ targets
     python bounded.py fit OUT.pt DIR       # ridge on log scores (check: equals kvzap-pooled) and the bounded fit
+    python bounded.py targets4k OUT.pt 4K.pt   # the 4K file's 16 documents (reusing OUT.pt's first 8)
+    python bounded.py fit4k 4K.pt DIR      # the same two fits on them (check: equals kvzap-4096)
 
 The bounded fit (after Fast KVzip, arXiv 2601.17668, which trains a gate on KVzip's raw score in [0, 1]
 with binary cross-entropy): per (document, layer, KV head) the sampled KVzip+ scores are divided by
@@ -33,6 +35,7 @@ from pipeline.kv.kvzap_model import KVzapModel
 
 HERE = Path(__file__).resolve().parent
 POOLED = HERE.parent / "kvzap-per-length" / "kvzap-pooled.safetensors"
+FOUR_K = HERE.parent / "kvzap-per-length" / "kvzap-4096.safetensors"  # 16 documents of 4,096 tokens
 LENGTHS, DOCUMENTS, SAMPLE, SIZES = (
     [512, 1024, 2048, 4096],
     [16, 16, 16, 8],
@@ -42,14 +45,15 @@ LENGTHS, DOCUMENTS, SAMPLE, SIZES = (
 LAMBDAS = (1e-4, 1e-3, 1e-2)
 
 
-def targets(out: str) -> None:
+def targets(out: str, lengths=LENGTHS, documents=DOCUMENTS, reuse: str | None = None) -> None:
     loaded = load_model(ModelConfig(name="smollm2", layerwise_prefill=0))
     engine = Engine(loaded)
     count = lambda text: len(loaded.tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
-    docs = [d for n, k in zip(LENGTHS, DOCUMENTS) for d in calibration_documents([n], k, count, 0)]
+    docs = [d for n, k in zip(lengths, documents) for d in calibration_documents([n], k, count, 0)]
+    done = {t.doc_id: t for t in torch.load(reuse, weights_only=False)["targets"]} if reuse else {}
     t0, result = time.time(), []
     for i, doc in enumerate(docs):
-        result.append(document_targets(engine, doc, SAMPLE, SIZES, 0))
+        result.append(done.get(doc["doc_id"]) or document_targets(engine, doc, SAMPLE, SIZES, 0))
         print(f"[{time.time() - t0:6.0f}s] {i + 1}/{len(docs)} {doc['doc_id']}", flush=True)
     torch.save({"targets": result, "fingerprint": model_fingerprint(loaded.model)}, out)
 
@@ -99,16 +103,16 @@ def fit_model(train, fitter, shares, sizes) -> KVzapModel:
     return KVzapModel("linear", {"weight": torch.stack(weights), "bias": torch.stack(biases)}, shares, sizes)
 
 
-def fit(path: str, out_dir: str) -> None:
+def fit(path: str, out_dir: str, reference: Path = POOLED, name: str = "kvzap-bounded") -> None:
     data = torch.load(path, weights_only=False)
     train, held = split(data["targets"])
-    meta = read_metadata(POOLED)
-    with __import__("safetensors").safe_open(str(POOLED), "pt") as f:
+    meta = read_metadata(reference)
+    with __import__("safetensors").safe_open(str(reference), "pt") as f:
         shipped = {k: f.get_tensor(k) for k in f.keys()}
     shares, sizes = shipped["shares"], shipped["share_sizes"]
     log_model = fit_model(train, lambda layer: ridge(*_log_data(train, layer), 1e-3), shares, sizes)
     diff = (log_model.tensors["weight"] - shipped["weight"]).abs().max().item()
-    print(f"ridge on log scores vs kvzap-pooled: max |weight difference| {diff:.2e}")
+    print(f"ridge on log scores vs {reference.name}: max |weight difference| {diff:.2e}")
     report = {"log-ridge": _report(log_model, held)}
     best = None
     for lam in LAMBDAS:
@@ -121,9 +125,10 @@ def fit(path: str, out_dir: str) -> None:
     print(json.dumps(report, indent=1))
     _, lam, model = best
     settings = {"bounded": True, "lam": lam, "targets": Path(path).name, **json.loads(json.dumps(meta["settings"]))}
-    out = Path(out_dir) / "kvzap-bounded.safetensors"
+    out = Path(out_dir) / f"{name}.safetensors"
     write_kvzap(out, model, "smollm2", data["fingerprint"], report[f"bounded lam={lam}"], settings)
-    (Path(out_dir) / "fit-report.json").write_text(json.dumps(report, indent=1) + "\n")
+    report_path = Path(out_dir) / f"{name.replace('kvzap-bounded', 'fit-report')}.json"
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"chose lam {lam}; wrote {out}")
 
 
@@ -137,4 +142,10 @@ def _report(model: KVzapModel, held) -> dict:
 
 
 if __name__ == "__main__":
-    {"targets": lambda: targets(sys.argv[2]), "fit": lambda: fit(sys.argv[2], sys.argv[3])}[sys.argv[1]]()
+    steps = {
+        "targets": lambda: targets(sys.argv[2]),
+        "fit": lambda: fit(sys.argv[2], sys.argv[3]),
+        "targets4k": lambda: targets(sys.argv[3], [4096], [16], reuse=sys.argv[2]),
+        "fit4k": lambda: fit(sys.argv[2], sys.argv[3], FOUR_K, "kvzap-bounded-4k"),
+    }
+    steps[sys.argv[1]]()
