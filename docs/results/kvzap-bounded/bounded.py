@@ -18,18 +18,19 @@ and about t below 0.5. lam is chosen from LAMBDAS by the held-out documents' mea
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from pipeline.apps.calibrate_kvzap import _split
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.kvzap_file import model_fingerprint, read_metadata, write_kvzap
 from pipeline.engine.loading import load_model
-from pipeline.eval.kvzap_calibration import _mean_quality, document_targets, kept_report, ridge
+from pipeline.eval.kvzap_calibration import _layer_data, _mean_quality, document_targets, kept_report, ridge
 from pipeline.eval.kvzap_data import calibration_documents
 from pipeline.kv.kvzap_model import KVzapModel
 
@@ -56,15 +57,6 @@ def targets(out: str, lengths=LENGTHS, documents=DOCUMENTS, reuse: str | None = 
         result.append(done.get(doc["doc_id"]) or document_targets(engine, doc, SAMPLE, SIZES, 0))
         print(f"[{time.time() - t0:6.0f}s] {i + 1}/{len(docs)} {doc['doc_id']}", flush=True)
     torch.save({"targets": result, "fingerprint": model_fingerprint(loaded.model)}, out)
-
-
-def split(docs):
-    """The calibration job's split (pipeline.apps.calibrate_kvzap._split, validation 0.25, seed 0)."""
-    held = set()
-    for n in sorted({t.length for t in docs}):
-        ids = [t.doc_id for t in docs if t.length == n]
-        held.update(random.Random(f"0/{n}").sample(ids, max(1, round(0.25 * len(ids)))))
-    return [t for t in docs if t.doc_id not in held], [t for t in docs if t.doc_id in held]
 
 
 def bounded_targets(docs, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +97,12 @@ def fit_model(train, fitter, shares, sizes) -> KVzapModel:
 
 def fit(path: str, out_dir: str, reference: Path = POOLED, name: str = "kvzap-bounded") -> None:
     data = torch.load(path, weights_only=False)
-    train, held = split(data["targets"])
+    train, held = _split(data["targets"], 0.25, 0)  # the calibration job's split
     meta = read_metadata(reference)
-    with __import__("safetensors").safe_open(str(reference), "pt") as f:
+    with safe_open(str(reference), "pt") as f:
         shipped = {k: f.get_tensor(k) for k in f.keys()}
     shares, sizes = shipped["shares"], shipped["share_sizes"]
-    log_model = fit_model(train, lambda layer: ridge(*_log_data(train, layer), 1e-3), shares, sizes)
+    log_model = fit_model(train, lambda layer: ridge(*_layer_data(train, layer), 1e-3), shares, sizes)
     diff = (log_model.tensors["weight"] - shipped["weight"]).abs().max().item()
     print(f"ridge on log scores vs {reference.name}: max |weight difference| {diff:.2e}")
     report = {"log-ridge": _report(log_model, held)}
@@ -124,16 +116,12 @@ def fit(path: str, out_dir: str, reference: Path = POOLED, name: str = "kvzap-bo
             best = (score, lam, model)
     print(json.dumps(report, indent=1))
     _, lam, model = best
-    settings = {"bounded": True, "lam": lam, "targets": Path(path).name, **json.loads(json.dumps(meta["settings"]))}
+    settings = {"bounded": True, "lam": lam, "targets": Path(path).name, **meta["settings"]}
     out = Path(out_dir) / f"{name}.safetensors"
     write_kvzap(out, model, "smollm2", data["fingerprint"], report[f"bounded lam={lam}"], settings)
     report_path = Path(out_dir) / f"{name.replace('kvzap-bounded', 'fit-report')}.json"
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"chose lam {lam}; wrote {out}")
-
-
-def _log_data(docs, layer: int):
-    return torch.cat([d.hidden[layer] for d in docs]), torch.cat([d.log_scores[layer].T for d in docs])
 
 
 def _report(model: KVzapModel, held) -> dict:
