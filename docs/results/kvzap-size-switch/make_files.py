@@ -1,0 +1,57 @@
+"""The files of README.md. ``h2 TWO_K OUT``: the shipped file's construction (``../kvzap-per-length/make_h.py``)
+with the 2K-only file TWO_K in the pooled file's place (Z's reading at kept fractions <= 0.1). ``z TWO_K OUT``:
+candidate Z, H2 at kept fractions <= 0.1 and the shipped file's construction (H) from 0.2 up
+(:func:`pipeline.kv.kvzap_model.per_size_model`).
+
+python make_files.py h2|z /tmp/perlen/kvzap-2048.safetensors OUT.safetensors
+"""
+
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+
+from pipeline.engine.kvzap_file import read_metadata, write_kvzap
+from pipeline.kv.kvzap_model import KVzapModel, per_length_model, per_size_model
+
+PER_LENGTH = Path(__file__).parent.parent / "kvzap-per-length"
+POOLED, FOUR_K = PER_LENGTH / "kvzap-pooled.safetensors", PER_LENGTH / "kvzap-4096.safetensors"
+
+
+def read(path: Path) -> KVzapModel:
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    shares, sizes = tensors.pop("shares"), tensors.pop("share_sizes")
+    return KVzapModel(read_metadata(path)["kind"], tensors, shares, sizes, tensors.pop("share_lengths", None))
+
+
+def per_length(short: Path) -> tuple[KVzapModel, dict, dict]:
+    """``short`` read at 2,048 tokens and the 4K file at 4,096 (make_h.py's construction), its fit and settings."""
+    combined = per_length_model([read(short), read(FOUR_K)], [2048, 4096])
+    short_meta, long_meta = read_metadata(short), read_metadata(FOUR_K)
+    fit = {"per_length": {"2048": short_meta["fit"].get("mean"), "4096": long_meta["fit"].get("mean")}}
+    settings = {"per_length": {"2048": short_meta["settings"], "4096": long_meta["settings"]}}
+    return combined, fit, settings
+
+
+def write(out: str, model: KVzapModel, fit: dict, settings: dict) -> None:
+    meta = read_metadata(POOLED)
+    print(write_kvzap(out, model, meta["model"], meta["fingerprint"], fit, settings))
+
+
+def h2(two_k: Path, out: str) -> None:
+    write(out, *per_length(two_k))
+
+
+def z(two_k: Path, out: str) -> None:
+    (small, small_fit, small_settings), (large, large_fit, large_settings) = per_length(two_k), per_length(POOLED)
+    fit = {"per_size": {"0.1": small_fit, "0.2": large_fit}}
+    settings = {"per_size": {"0.1": small_settings, "0.2": large_settings}}
+    write(out, per_size_model([small, large], [0.1, 0.2]), fit, settings)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] in ("h2", "z"):
+        {"h2": h2, "z": z}[sys.argv[1]](Path(sys.argv[2]), sys.argv[3])
+    else:
+        raise SystemExit(__doc__)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# README.md's runs, from a worktree (outputs under /tmp/perlen and /tmp/sizeswitch). Usage: run.sh STEP
+# STEP calibrate: the 2K-only file (../kvzap-per-length/run.sh calibrate's second file);
+# STEP seed1: H2 (Z's reading at 0.1) on the fresh 2K set (seed 1), 0.1 only;
+# STEP seed2 / 3k: Z and the shipped file at 0.1 and 0.15 on 60 new 2K documents (seed 2) / the 3K set.
+PY=/work/main/.venv/bin/python
+export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD
+T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
+T4=niah_multikey_1,niah_multivalue,niah_single_3,niah_single_2,niah_single_1
+O=/tmp/sizeswitch; mkdir -p $O /tmp/perlen; HERE=docs/results/kvzap-size-switch
+Z="criticalkv-shares-kvzap[kvzap_model=$O/kvzap-z.safetensors]"
+sweep() {  # length seed tasks methods sizes output
+  $PY jobs/eval_compression.py --tasks $3 --length $1 --samples 10 --seed $2 --methods "$4" --cache-sizes $5 \
+    --max-new-tokens 48 --settings-per-decode 16 --output $6 > $6.log 2>&1; echo "$6 rc=$?"; date
+}
+date
+case "$1" in
+  calibrate) $PY jobs/calibrate_kvzap.py --lengths 2048 --documents 16 --sample-tokens 384 \
+      --output /tmp/perlen/kvzap-2048.safetensors > /tmp/perlen/calibrate-2048.log 2>&1; echo "calibrate rc=$?" ;;
+  seed1) $PY $HERE/make_files.py h2 /tmp/perlen/kvzap-2048.safetensors $O/kvzap-h2.safetensors
+      sweep 2048 1 $T2 "criticalkv-shares-kvzap[kvzap_model=$O/kvzap-h2.safetensors]" 0.1 $O/seed1-2k ;;
+  seed2) $PY $HERE/make_files.py z /tmp/perlen/kvzap-2048.safetensors $O/kvzap-z.safetensors
+      sweep 2048 2 $T2 "$Z,criticalkv-shares-kvzap" 0.1,0.15 $O/seed2-2k ;;
+  3k) sweep 3072 0 $T4 "$Z,criticalkv-shares-kvzap" 0.1,0.15 $O/z-3k ;;
+esac
+echo ALLDONE
