@@ -1,11 +1,15 @@
 """The files of README.md. ``h2 TWO_K OUT``: the shipped file's construction (``../kvzap-per-length/make_h.py``)
 with the 2K-only file TWO_K in the pooled file's place (Z's reading at kept fractions <= 0.1). ``z TWO_K OUT``:
 candidate Z, H2 at kept fractions <= 0.1 and the shipped file's construction (H) from 0.2 up
-(:func:`pipeline.kv.kvzap_model.per_size_model`).
+(:func:`pipeline.kv.kvzap_model.per_size_model`). ``z3 TWO_K THREE_K OUT``: candidate Z3, the files fitted at
+2,048, 3,072 and 4,096 tokens alone at kept fractions <= 0.1, H (written with a third point at 3,072 tokens,
+its own reading there) from 0.2 up.
 
 python make_files.py h2|z /tmp/perlen/kvzap-2048.safetensors OUT.safetensors
+python make_files.py z3 /tmp/perlen/kvzap-2048.safetensors /tmp/perlen/kvzap-3072.safetensors OUT.safetensors
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -50,8 +54,26 @@ def z(two_k: Path, out: str) -> None:
     write(out, per_size_model([small, large], [0.1, 0.2]), fit, settings)
 
 
+def mixed(a: KVzapModel, b: KVzapModel, t: float) -> KVzapModel:
+    """(1 - t) a + t b, weights, biases and tables: a per-length file's reading between its two lengths."""
+    tensors = {name: (1 - t) * a.tensors[name] + t * b.tensors[name] for name in ("weight", "bias")}
+    return KVzapModel("linear", tensors, (1 - t) * a.shares + t * b.shares, a.share_sizes)
+
+
+def z3(two_k: Path, three_k: Path, out: str) -> None:
+    lengths, metas = [2048, 3072, 4096], [read_metadata(f) for f in (two_k, three_k, FOUR_K)]
+    small = per_length_model([read(two_k), read(three_k), read(FOUR_K)], lengths)
+    pooled, four_k = read(POOLED), read(FOUR_K)
+    large = per_length_model([pooled, mixed(pooled, four_k, math.log(1.5) / math.log(2)), four_k], lengths)
+    fit = {"per_size": {"0.1": {str(n): m["fit"].get("mean") for n, m in zip(lengths, metas)}, "0.2": "shipped (H)"}}
+    settings = {"per_size": {"0.1": {str(n): m["settings"] for n, m in zip(lengths, metas)}, "0.2": "shipped (H)"}}
+    write(out, per_size_model([small, large], [0.1, 0.2]), fit, settings)
+
+
 if __name__ == "__main__":
     if sys.argv[1] in ("h2", "z"):
         {"h2": h2, "z": z}[sys.argv[1]](Path(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "z3":
+        z3(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
     else:
         raise SystemExit(__doc__)
