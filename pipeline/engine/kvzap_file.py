@@ -3,8 +3,7 @@
 Written by ``jobs/calibrate_kvzap.py`` (:mod:`pipeline.eval.kvzap_calibration`), read by the engine
 for methods whose parts need them (the ``kvzap`` scorer, the ``shares`` allocation). Tensors: those
 of :class:`~pipeline.kv.kvzap_model.KVzapModel` plus ``shares`` (S, L, H_kv) and ``share_sizes`` (S,), or
-shares per context length (N, S, L, H_kv) with ``share_lengths`` (N,), and ``predictor_sizes`` (P,) for
-predictors per kept fraction.
+shares per context length (N, S, L, H_kv) with ``share_lengths`` (N,).
 Metadata (strings): ``format``, ``kind``, ``model`` (the name it was calibrated with),
 ``fingerprint`` (JSON: the model's shape and a per-layer weight probe), ``fit`` (JSON: held-out fit
 quality per layer) and ``settings`` (JSON: how it was made).
@@ -73,8 +72,6 @@ def write_kvzap(path: str | Path, kvzap: KVzapModel, model_name: str, fingerprin
     tensors["share_sizes"] = kvzap.share_sizes.float().contiguous().cpu()
     if kvzap.share_lengths is not None:
         tensors["share_lengths"] = kvzap.share_lengths.float().contiguous().cpu()
-    if kvzap.predictor_sizes is not None:
-        tensors["predictor_sizes"] = kvzap.predictor_sizes.float().contiguous().cpu()
     metadata = {
         "format": FORMAT,
         "kind": kvzap.kind,
@@ -119,9 +116,8 @@ def load_kvzap(path: str | Path, model: torch.nn.Module, model_name: str) -> KVz
     with safe_open(str(path), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     shares, sizes, lengths = tensors.pop("shares"), tensors.pop("share_sizes"), tensors.pop("share_lengths", None)
-    predictor_sizes = tensors.pop("predictor_sizes", None)
     device = next(model.parameters()).device
-    return KVzapModel(meta["kind"], tensors, shares, sizes, lengths, predictor_sizes).to(device)
+    return KVzapModel(meta["kind"], tensors, shares, sizes, lengths).to(device)
 
 
 def shipped_kvzap(model_name: str) -> Path | None:

@@ -27,11 +27,7 @@ calibration over several lengths may keep one table per length (``--shares-by-le
 (N, S, L, H_kv) with ``share_lengths`` (N,), interpolated in log length. A linear file may hold one
 predictor per length as well (weight (N, L, H_kv, hidden), bias (N, L, H_kv), :attr:`KVzapModel.per_length`,
 made by :func:`per_length_model` from files fitted at one length each), read at each row's length the same
-way; and one per (length, kept fraction) as well (weight (N, P, L, H_kv, hidden), ``predictor_sizes`` (P,),
-:attr:`KVzapModel.per_size`, made by :func:`per_size_model`), read linearly in the row's kept fraction between
-them: a predictor fitted at the length of use ranks the few entries a small cache keeps better, the pooled
-one the many a larger cache keeps (docs/results/kvzap-size-switch/README.md). The file that holds all of
-this is read and written by :mod:`pipeline.engine.kvzap_file`.
+way. The file that holds all of this is read and written by :mod:`pipeline.engine.kvzap_file`.
 """
 
 from __future__ import annotations
@@ -71,16 +67,13 @@ class KVzapModel:
     w1: (L, M, hidden), b1: (L, M), w2: (L, H_kv, M), b2: (L, H_kv) (mlp), and optionally
     position_weight: (L, H_kv, 3) (:func:`position_features`); shares: (S, L, H_kv)
     float32 with mean 1 over (L, H_kv) at each size, or (N, S, L, H_kv) with one table per context
-    length of ``share_lengths`` (N,) ascending tokens; share_sizes: (S,) ascending kept fractions;
-    predictor_sizes: (P,) ascending kept fractions of a :attr:`per_size` file's predictors (weight
-    (N, P, L, H_kv, hidden), bias (N, P, L, H_kv)) or None."""
+    length of ``share_lengths`` (N,) ascending tokens; share_sizes: (S,) ascending kept fractions."""
 
     kind: str
     tensors: dict[str, torch.Tensor]
     shares: torch.Tensor
     share_sizes: torch.Tensor
     share_lengths: torch.Tensor | None = None
-    predictor_sizes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -115,33 +108,17 @@ class KVzapModel:
         """A linear file may hold one predictor per calibration length: weight (N, L, H_kv, hidden) and
         bias (N, L, H_kv), one per entry of ``share_lengths`` (its shares are per length too)."""
         if not self.per_length:
-            if self.predictor_sizes is not None:
-                raise ValueError("KVzap predictor_sizes need per-length predictors, weight (N, P, L, H_kv, hidden)")
             return
         weight, bias = self.tensors["weight"], self.tensors["bias"]
-        lengths = self.share_lengths
-        if lengths is None or weight.shape[0] != lengths.numel() or bias.dim() != weight.dim() - 1:
+        if self.share_lengths is None or weight.shape[0] != self.share_lengths.numel() or bias.dim() != 3:
             raise ValueError("KVzap per-length predictors need bias (N, L, H_kv) and one share_lengths entry per N")
         if self.uses_positions:
             raise ValueError("KVzap per-length predictors take no position_weight")
-        sizes = self.predictor_sizes
-        if (weight.dim() == 5) != (sizes is not None) or (
-            sizes is not None
-            and (sizes.dim() != 1 or sizes.numel() != weight.shape[1] or not bool((sizes[1:] > sizes[:-1]).all()))
-        ):
-            raise ValueError(
-                "KVzap per-size predictors need weight (N, P, L, H_kv, hidden) and predictor_sizes (P,) ascending"
-            )
 
     @property
     def per_length(self) -> bool:
         """One linear predictor per calibration length (``share_lengths``), interpolated in log length."""
-        return self.kind == "linear" and self.tensors["weight"].dim() in (4, 5)
-
-    @property
-    def per_size(self) -> bool:
-        """One linear predictor per (calibration length, kept fraction of ``predictor_sizes``)."""
-        return self.predictor_sizes is not None
+        return self.kind == "linear" and self.tensors["weight"].dim() == 4
 
     @property
     def num_layers(self) -> int:
@@ -154,8 +131,7 @@ class KVzapModel:
     def to(self, device: torch.device) -> KVzapModel:
         moved = {name: t.to(device) for name, t in self.tensors.items()}
         lengths = None if self.share_lengths is None else self.share_lengths.to(device)
-        sizes = None if self.predictor_sizes is None else self.predictor_sizes.to(device)
-        return KVzapModel(self.kind, moved, self.shares.to(device), self.share_sizes.to(device), lengths, sizes)
+        return KVzapModel(self.kind, moved, self.shares.to(device), self.share_sizes.to(device), lengths)
 
     @property
     def uses_positions(self) -> bool:
@@ -163,16 +139,15 @@ class KVzapModel:
         return "position_weight" in self.tensors
 
     def predict(
-        self, layer_idx: int, hidden: torch.Tensor, key_pos: torch.Tensor | None = None, lengths=None, fractions=None
+        self, layer_idx: int, hidden: torch.Tensor, key_pos: torch.Tensor | None = None, lengths=None
     ) -> torch.Tensor:
         """Predicted log-scores of one layer's entries: :meth:`predict_from_hidden` plus, for a file
-        with position weights, :meth:`position_term` (which needs ``key_pos`` (B, n) and ``lengths`` (B,));
-        a :attr:`per_length` file needs ``lengths``, a :attr:`per_size` one the kept ``fractions`` (B,) too."""
+        with position weights, :meth:`position_term` (which needs ``key_pos`` (B, n) and ``lengths`` (B,))."""
         out = self.predict_from_hidden(layer_idx, hidden)
         if self.per_length:
             if lengths is None:
                 raise ValueError("this KVzap file predicts per context length: pass the context lengths")
-            return self.at_lengths(out, lengths, fractions)
+            return self.at_lengths(out, lengths)
         if not self.uses_positions:
             return out
         if key_pos is None or lengths is None:
@@ -187,13 +162,13 @@ class KVzapModel:
 
     def predict_from_hidden(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """The predictor's term in the attention input. hidden: (B, n, hidden) -> (B, H_kv, n) float32,
-        or (B, N, H_kv, n) from each of a :attr:`per_length` file's N predictors, (B, N, P, H_kv, n) from a
-        :attr:`per_size` file's N x P (:meth:`at_lengths` then reads them at each row's length and size)."""
+        or (B, N, H_kv, n) from each of a :attr:`per_length` file's N predictors (:meth:`at_lengths`
+        then reads them at each row's length)."""
         h = hidden.float()
         t = self.tensors
         if self.per_length:
-            weight, bias = t["weight"].select(-3, layer_idx).float(), t["bias"].select(-2, layer_idx).float()
-            return torch.einsum("bnd,...hd->b...hn", h, weight) + bias[None, ..., None]
+            out = torch.einsum("bnd,khd->bkhn", h, t["weight"][:, layer_idx].float())
+            return out + t["bias"][:, layer_idx].float()[None, :, :, None]
         if self.kind == "linear":
             out = torch.matmul(h, t["weight"][layer_idx].T) + t["bias"][layer_idx]
         else:
@@ -201,18 +176,10 @@ class KVzapModel:
             out = torch.matmul(mid, t["w2"][layer_idx].T) + t["b2"][layer_idx]
         return out.transpose(1, 2)
 
-    def at_lengths(self, predicted: torch.Tensor, lengths: torch.Tensor, fractions=None) -> torch.Tensor:
+    def at_lengths(self, predicted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """A :attr:`per_length` file's predictions (B, N, H_kv, n) at each row's context length (B,):
         linear in log length between the two calibration lengths around it, the nearest one outside
-        them -> (B, H_kv, n) float32. A :attr:`per_size` file's (B, N, P, H_kv, n) are first read at
-        each row's kept fraction (B,) the same way, linear between ``predictor_sizes``."""
-        if self.per_size:
-            if fractions is None:
-                raise ValueError("this KVzap file predicts per kept fraction: pass the rows' kept fractions")
-            b, n_len, p, heads, n = predicted.shape
-            tables = predicted.permute(2, 0, 1, 3, 4).reshape(p, b, n_len * heads, n).double()
-            sizes = self.predictor_sizes.double()
-            predicted = _interpolate(tables, sizes, fractions.double()).view(b, n_len, heads, n)
+        them -> (B, H_kv, n) float32."""
         at = self.share_lengths.double().log()
         x = lengths.to(predicted.device).double().clamp(min=1).log()
         return _interpolate(predicted.transpose(0, 1).double(), at, x).float()
@@ -264,30 +231,3 @@ def per_length_model(models: list[KVzapModel], lengths: list[int]) -> KVzapModel
     tensors = {name: torch.stack([m.tensors[name] for m in models]) for name in ("weight", "bias")}
     shares = torch.stack([m.shares for m in models])
     return KVzapModel("linear", tensors, shares, models[0].share_sizes, torch.tensor(lengths, dtype=torch.float32))
-
-
-def kept_fractions(row_budget: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """(B,) float64 kept fraction of each row, budget ÷ length: where the shares table and a
-    :attr:`KVzapModel.per_size` file's predictors are read."""
-    return row_budget.double() / lengths.clamp(min=1).double()
-
-
-def per_size_model(models: list[KVzapModel], sizes: list[float]) -> KVzapModel:
-    """One file from per-length files (:func:`per_length_model`, the same lengths and kept fractions),
-    model k's predictors read at kept fraction ``sizes[k]`` (ascending) and linearly between: weight
-    (N, P, L, H_kv, hidden). Each shares table row at kept fraction s comes from the last model whose
-    size is at most s (the first model's below ``sizes[0]``), so predictor and table change together."""
-    for m in models:
-        if not m.per_length or m.per_size:
-            raise ValueError("per_size_model combines per-length files of one predictor per length")
-        first = models[0]
-        if not (torch.equal(m.share_lengths, first.share_lengths) and torch.equal(m.share_sizes, first.share_sizes)):
-            raise ValueError("per_size_model: the files are calibrated at different lengths or kept fractions")
-    if len(sizes) != len(models) or any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ValueError("per_size_model: one ascending kept fraction per file")
-    tensors = {name: torch.stack([m.tensors[name] for m in models], dim=1) for name in ("weight", "bias")}
-    first = models[0]
-    pick = [max([k for k, size in enumerate(sizes) if size <= s + 1e-9], default=0) for s in first.share_sizes.tolist()]
-    shares = torch.stack([models[k].shares[:, j] for j, k in enumerate(pick)], dim=1)
-    predictor_sizes = torch.tensor(sizes, dtype=torch.float32)
-    return KVzapModel("linear", tensors, shares, first.share_sizes, first.share_lengths, predictor_sizes)

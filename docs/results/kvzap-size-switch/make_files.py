@@ -1,9 +1,12 @@
-"""The files of README.md. ``h2 TWO_K OUT``: the shipped file's construction (``../kvzap-per-length/make_h.py``)
-with the 2K-only file TWO_K in the pooled file's place (Z's reading at kept fractions <= 0.1). ``z TWO_K OUT``:
-candidate Z, H2 at kept fractions <= 0.1 and the shipped file's construction (H) from 0.2 up
-(:func:`pipeline.kv.kvzap_model.per_size_model`). ``z3 TWO_K THREE_K OUT``: candidate Z3, the files fitted at
-2,048, 3,072 and 4,096 tokens alone at kept fractions <= 0.1, H (written with a third point at 3,072 tokens,
-its own reading there) from 0.2 up.
+"""The files of README.md (``z`` and ``z3`` need the per-size file format, removed after the verdicts:
+run from a worktree of 2192ef1, as run.sh does).
+
+``h2 TWO_K OUT``: the shipped file's construction (``../kvzap-per-length/make_h.py``) with the 2K-only
+file TWO_K in the pooled file's place (Z's reading at kept fractions <= 0.1).
+``z TWO_K OUT``: candidate Z, H2 at kept fractions <= 0.1 and the shipped file's construction (H) from
+0.2 up (``per_size_model``).
+``z3 TWO_K THREE_K OUT``: candidate Z3, the files fitted at 2,048, 3,072 and 4,096 tokens alone at kept
+fractions <= 0.1, H (written with a third point at 3,072 tokens, its own reading there) from 0.2 up.
 
 python make_files.py h2|z /tmp/perlen/kvzap-2048.safetensors OUT.safetensors
 python make_files.py z3 /tmp/perlen/kvzap-2048.safetensors /tmp/perlen/kvzap-3072.safetensors OUT.safetensors

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# README.md's runs, from a worktree (outputs under /tmp/perlen and /tmp/sizeswitch). Usage: run.sh STEP
+# README.md's runs, from a worktree of 2192ef1, the revision that holds the per-size file format (removed after
+# the verdicts); outputs under /tmp/perlen and /tmp/sizeswitch. Usage: run.sh STEP
 # STEP calibrate: the 2K-only file (../kvzap-per-length/run.sh calibrate's second file);
 # STEP seed1: H2 (Z's reading at 0.1) on the fresh 2K set (seed 1), 0.1 only;
 # STEP seed2 / 3k: Z and the shipped file at 0.1 and 0.15 on 60 new 2K documents (seed 2) / the 3K set;
-# after the verdict: STEP seed0 / 1k: the same on the 2K set of seed 0 and on 1K documents (seed 0);
-# STEP costs: prefill time and peak at 2K and 4K, cache 0.1 (benchmarks.method_costs).
+# (not run: STEP seed0 / 1k / costs, meant for after an adoption.)
 # Round 2: STEP calibrate3k: the 3K-only file; STEP round2: Z3 and the shipped file at 0.1 and 0.15 on 3K seed 1,
 # 2.5K, 3.5K (seed 0) and 2K seed 2.
 PY=/work/main/.venv/bin/python

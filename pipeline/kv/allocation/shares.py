@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvzap_model import KVzapModelOptions, kept_fractions
+from ..kvzap_model import KVzapModelOptions
 from ..parts import Allocation, LayerContext
 from .headkv import water_fill
 
@@ -46,7 +46,8 @@ def table_counts(ctx: LayerContext) -> torch.Tensor:
     layer of a row)."""
     if ctx.kvzap is None:
         raise ValueError("the shares table needs a KVzap model file (compression.kvzap_model)")
-    shares = ctx.kvzap.shares_at(kept_fractions(ctx.row_budget, ctx.lengths), ctx.lengths)
+    fractions = ctx.row_budget.double() / ctx.lengths.clamp(min=1).double()
+    shares = ctx.kvzap.shares_at(fractions, ctx.lengths)
     return shares_counts(shares, ctx.row_budget, ctx.row_window, ctx.lengths)
 
 

@@ -6,8 +6,7 @@ value-norm mass, non-negative like the other scorers', so CriticalKV's ``(A_i + 
 it the same way). Cost: one (n x hidden) @ (hidden x H_kv) matmul per layer. A file with position
 weights adds its term in each entry's position and the row's context length (the whole context's,
 also in a chunked prefill) before the exponential; a file with one predictor per calibration length
-reads them at that length (linear in log length between the two around it), and one with predictors per
-kept fraction at the row's fraction as well (the fraction the shares table is read at).
+reads them at that length (linear in log length between the two around it).
 
 The weights come from a calibration on the model itself (``jobs/calibrate_kvzap.py``); a file made
 for another model is refused. The first ``sink_tokens`` entries and the observation window are
@@ -19,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvzap_model import KVzapModelOptions, kept_fractions
+from ..kvzap_model import KVzapModelOptions
 from ..parts import LayerContext, LayerInputs, Scorer
 from .common import SinkOptions, finalise, sink_mask
 
@@ -58,7 +57,7 @@ class KVzap(Scorer):
         predicted = ctx.observed
         lengths = ctx.lengths if ctx.context_lengths is None else ctx.context_lengths
         if ctx.kvzap is not None and ctx.kvzap.per_length:
-            predicted = ctx.kvzap.at_lengths(predicted, lengths, kept_fractions(ctx.row_budget, ctx.lengths))
+            predicted = ctx.kvzap.at_lengths(predicted, lengths)
         if ctx.kvzap is not None and ctx.kvzap.uses_positions:
             predicted = predicted + ctx.kvzap.position_term(ctx.layer_idx, ctx.key_pos, lengths)
         return kvzap_scores(predicted, ctx.key_pos, ctx.row_window, options.sink_tokens)
