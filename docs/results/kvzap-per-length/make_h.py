@@ -13,18 +13,32 @@ from safetensors import safe_open
 from pipeline.engine.kvzap_file import read_metadata, write_kvzap
 from pipeline.kv.kvzap_model import KVzapModel, per_length_model
 
+HERE = Path(__file__).parent
+POOLED, FOUR_K = HERE / "kvzap-pooled.safetensors", HERE / "kvzap-4096.safetensors"
+
 
 def read(path: Path) -> KVzapModel:
+    """A KVzap file's model, without the engine's model check."""
     with safe_open(str(path), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     shares, sizes = tensors.pop("shares"), tensors.pop("share_sizes")
     return KVzapModel(read_metadata(path)["kind"], tensors, shares, sizes, tensors.pop("share_lengths", None))
 
 
-here = Path(__file__).parent
-shipped, four_k = here / "kvzap-pooled.safetensors", here / "kvzap-4096.safetensors"
-meta = read_metadata(shipped)
-combined = per_length_model([read(shipped), read(four_k)], [2048, 4096])
-fit = {"per_length": {"2048": meta["fit"].get("mean"), "4096": read_metadata(four_k)["fit"].get("mean")}}
-settings = {"per_length": {"2048": meta["settings"], "4096": read_metadata(four_k)["settings"]}}
-print(write_kvzap(sys.argv[1], combined, meta["model"], meta["fingerprint"], fit, settings))
+def with_four_k(short: Path) -> tuple[KVzapModel, dict, dict]:
+    """``short`` read at 2,048 tokens and the 4K file at 4,096: the model, its fit and its settings."""
+    combined = per_length_model([read(short), read(FOUR_K)], [2048, 4096])
+    short_meta, long_meta = read_metadata(short), read_metadata(FOUR_K)
+    fit = {"per_length": {"2048": short_meta["fit"].get("mean"), "4096": long_meta["fit"].get("mean")}}
+    settings = {"per_length": {"2048": short_meta["settings"], "4096": long_meta["settings"]}}
+    return combined, fit, settings
+
+
+def write(out: str, model: KVzapModel, fit: dict, settings: dict) -> None:
+    """Write ``model`` under the pooled file's model name and fingerprint; prints the path."""
+    meta = read_metadata(POOLED)
+    print(write_kvzap(out, model, meta["model"], meta["fingerprint"], fit, settings))
+
+
+if __name__ == "__main__":
+    write(sys.argv[1], *with_four_k(POOLED))

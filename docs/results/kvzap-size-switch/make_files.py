@@ -16,42 +16,21 @@ import math
 import sys
 from pathlib import Path
 
-from safetensors import safe_open
+from pipeline.engine.kvzap_file import read_metadata
+from pipeline.kv.kvzap_model import KVzapModel, per_length_model
 
-from pipeline.engine.kvzap_file import read_metadata, write_kvzap
-from pipeline.kv.kvzap_model import KVzapModel, per_length_model, per_size_model
-
-PER_LENGTH = Path(__file__).parent.parent / "kvzap-per-length"
-POOLED, FOUR_K = PER_LENGTH / "kvzap-pooled.safetensors", PER_LENGTH / "kvzap-4096.safetensors"
-
-
-def read(path: Path) -> KVzapModel:
-    with safe_open(str(path), framework="pt") as handle:
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    shares, sizes = tensors.pop("shares"), tensors.pop("share_sizes")
-    return KVzapModel(read_metadata(path)["kind"], tensors, shares, sizes, tensors.pop("share_lengths", None))
-
-
-def per_length(short: Path) -> tuple[KVzapModel, dict, dict]:
-    """``short`` read at 2,048 tokens and the 4K file at 4,096 (make_h.py's construction), its fit and settings."""
-    combined = per_length_model([read(short), read(FOUR_K)], [2048, 4096])
-    short_meta, long_meta = read_metadata(short), read_metadata(FOUR_K)
-    fit = {"per_length": {"2048": short_meta["fit"].get("mean"), "4096": long_meta["fit"].get("mean")}}
-    settings = {"per_length": {"2048": short_meta["settings"], "4096": long_meta["settings"]}}
-    return combined, fit, settings
-
-
-def write(out: str, model: KVzapModel, fit: dict, settings: dict) -> None:
-    meta = read_metadata(POOLED)
-    print(write_kvzap(out, model, meta["model"], meta["fingerprint"], fit, settings))
+sys.path.insert(0, str(Path(__file__).parent.parent / "kvzap-per-length"))
+from make_h import FOUR_K, POOLED, read, with_four_k, write  # noqa: E402  (the shipped file's construction)
 
 
 def h2(two_k: Path, out: str) -> None:
-    write(out, *per_length(two_k))
+    write(out, *with_four_k(two_k))
 
 
 def z(two_k: Path, out: str) -> None:
-    (small, small_fit, small_settings), (large, large_fit, large_settings) = per_length(two_k), per_length(POOLED)
+    from pipeline.kv.kvzap_model import per_size_model  # the per-size format: at 2192ef1, removed since
+
+    (small, small_fit, small_settings), (large, large_fit, large_settings) = with_four_k(two_k), with_four_k(POOLED)
     fit = {"per_size": {"0.1": small_fit, "0.2": large_fit}}
     settings = {"per_size": {"0.1": small_settings, "0.2": large_settings}}
     write(out, per_size_model([small, large], [0.1, 0.2]), fit, settings)
@@ -64,6 +43,8 @@ def mixed(a: KVzapModel, b: KVzapModel, t: float) -> KVzapModel:
 
 
 def z3(two_k: Path, three_k: Path, out: str) -> None:
+    from pipeline.kv.kvzap_model import per_size_model  # the per-size format: at 2192ef1, removed since
+
     lengths, metas = [2048, 3072, 4096], [read_metadata(f) for f in (two_k, three_k, FOUR_K)]
     small = per_length_model([read(two_k), read(three_k), read(FOUR_K)], lengths)
     pooled, four_k = read(POOLED), read(FOUR_K)

@@ -4,7 +4,6 @@
 # STEP calibrate: the 2K-only file (../kvzap-per-length/run.sh calibrate's second file);
 # STEP seed1: H2 (Z's reading at 0.1) on the fresh 2K set (seed 1), 0.1 only;
 # STEP seed2 / 3k: Z and the shipped file at 0.1 and 0.15 on 60 new 2K documents (seed 2) / the 3K set;
-# (not run: STEP seed0 / 1k / costs, meant for after an adoption.)
 # Round 2: STEP calibrate3k: the 3K-only file; STEP round2: Z3 and the shipped file at 0.1 and 0.15 on 3K seed 1,
 # 2.5K, 3.5K (seed 0) and 2K seed 2.
 PY=/work/main/.venv/bin/python
@@ -26,8 +25,6 @@ case "$1" in
   seed2) $PY $HERE/make_files.py z /tmp/perlen/kvzap-2048.safetensors $O/kvzap-z.safetensors
       sweep 2048 2 $T2 "$Z,criticalkv-shares-kvzap" 0.1,0.15 $O/seed2-2k ;;
   3k) sweep 3072 0 $T4 "$Z,criticalkv-shares-kvzap" 0.1,0.15 $O/z-3k ;;
-  seed0) sweep 2048 0 $T2 "$Z,criticalkv-shares-kvzap" 0.1,0.15 $O/seed0-2k ;;
-  1k) sweep 1024 0 $T2 "$Z,criticalkv-shares-kvzap" 0.1,0.15 $O/z-1k ;;
   calibrate3k) $PY jobs/calibrate_kvzap.py --lengths 3072 --documents 16 --sample-tokens 384 \
       --output /tmp/perlen/kvzap-3072.safetensors > /tmp/perlen/calibrate-3072.log 2>&1; echo "calibrate3k rc=$?" ;;
   round2) Z3="criticalkv-shares-kvzap[kvzap_model=$O/kvzap-z3.safetensors]"
@@ -36,7 +33,5 @@ case "$1" in
       sweep 2560 0 $T4 "$Z3,criticalkv-shares-kvzap" 0.1,0.15 $O/z3-2560
       sweep 3584 0 $T4 "$Z3,criticalkv-shares-kvzap" 0.1,0.15 $O/z3-3584
       sweep 2048 2 $T2 "$Z3,criticalkv-shares-kvzap" 0.1,0.15 $O/z3-2k-seed2 ;;
-  costs) $PY -m benchmarks.method_costs --lengths 2048,4096 --repeats 3 --cache-size 0.1 \
-      --methods "none,criticalkv-shares-kvzap,$Z" --out $O/method_costs.md > $O/costs.log 2>&1; echo "costs rc=$?" ;;
 esac
 echo ALLDONE
