@@ -113,11 +113,17 @@ def load_kvzap(path: str | Path, model: torch.nn.Module, model_name: str) -> KVz
             f"kvzap_model: {path} was calibrated for model {meta.get('model')!r}, not for the loaded model "
             f"{model_name!r} ({mismatch}); make one with jobs/calibrate_kvzap.py --model {model_name}"
         )
+    return read_kvzap(path, meta).to(next(model.parameters()).device)
+
+
+def read_kvzap(path: str | Path, meta: dict | None = None) -> KVzapModel:
+    """The KVzap model in ``path`` on the CPU, without the model check of :func:`load_kvzap` (for tools that
+    combine or inspect files); ``meta``: its :func:`read_metadata`, when already read."""
+    meta = read_metadata(path) if meta is None else meta
     with safe_open(str(path), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     shares, sizes, lengths = tensors.pop("shares"), tensors.pop("share_sizes"), tensors.pop("share_lengths", None)
-    device = next(model.parameters()).device
-    return KVzapModel(meta["kind"], tensors, shares, sizes, lengths).to(device)
+    return KVzapModel(meta["kind"], tensors, shares, sizes, lengths)
 
 
 def shipped_kvzap(model_name: str) -> Path | None:

@@ -8,21 +8,12 @@ python make_h.py OUT.safetensors
 import sys
 from pathlib import Path
 
-from safetensors import safe_open
-
+from pipeline.engine.kvzap_file import read_kvzap as read
 from pipeline.engine.kvzap_file import read_metadata, write_kvzap
 from pipeline.kv.kvzap_model import KVzapModel, per_length_model
 
 HERE = Path(__file__).parent
 POOLED, FOUR_K = HERE / "kvzap-pooled.safetensors", HERE / "kvzap-4096.safetensors"
-
-
-def read(path: Path) -> KVzapModel:
-    """A KVzap file's model, without the engine's model check."""
-    with safe_open(str(path), framework="pt") as handle:
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    shares, sizes = tensors.pop("shares"), tensors.pop("share_sizes")
-    return KVzapModel(read_metadata(path)["kind"], tensors, shares, sizes, tensors.pop("share_lengths", None))
 
 
 def with_four_k(short: Path) -> tuple[KVzapModel, dict, dict]:

@@ -16,11 +16,26 @@ import math
 import sys
 from pathlib import Path
 
-from pipeline.engine.kvzap_file import read_metadata
+from pipeline.engine.kvzap_file import read_kvzap as read
+from pipeline.engine.kvzap_file import read_metadata, write_kvzap
 from pipeline.kv.kvzap_model import KVzapModel, per_length_model
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "kvzap-per-length"))
-from make_h import FOUR_K, POOLED, read, with_four_k, write  # noqa: E402  (the shipped file's construction)
+PER_LENGTH = Path(__file__).parent.parent / "kvzap-per-length"
+POOLED, FOUR_K = PER_LENGTH / "kvzap-pooled.safetensors", PER_LENGTH / "kvzap-4096.safetensors"
+
+
+def with_four_k(short: Path) -> tuple[KVzapModel, dict, dict]:
+    """``short`` read at 2,048 tokens and the 4K file at 4,096 (``../kvzap-per-length/make_h.py``'s construction)."""
+    combined = per_length_model([read(short), read(FOUR_K)], [2048, 4096])
+    short_meta, long_meta = read_metadata(short), read_metadata(FOUR_K)
+    fit = {"per_length": {"2048": short_meta["fit"].get("mean"), "4096": long_meta["fit"].get("mean")}}
+    settings = {"per_length": {"2048": short_meta["settings"], "4096": long_meta["settings"]}}
+    return combined, fit, settings
+
+
+def write(out: str, model: KVzapModel, fit: dict, settings: dict) -> None:
+    meta = read_metadata(POOLED)
+    print(write_kvzap(out, model, meta["model"], meta["fingerprint"], fit, settings))
 
 
 def h2(two_k: Path, out: str) -> None:
