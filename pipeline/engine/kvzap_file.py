@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from ..kv.attention.registered import attention_modules
 from ..kv.config import CompressionConfig
-from ..kv.kvzap_model import KVzapModel
+from ..kv.kvzap_model import KVzapModel, per_length_model
 
 FORMAT = "criticalkv-kvzap/1"
 RESOURCES = Path(__file__).resolve().parent.parent / "resources" / "kvzap"
@@ -124,6 +124,17 @@ def read_kvzap(path: str | Path, meta: dict | None = None) -> KVzapModel:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     shares, sizes, lengths = tensors.pop("shares"), tensors.pop("share_sizes"), tensors.pop("share_lengths", None)
     return KVzapModel(meta["kind"], tensors, shares, sizes, lengths)
+
+
+def per_length_file(paths: list[Path], lengths: list[int]) -> tuple[KVzapModel, dict, dict]:
+    """Single-length files read at their own context lengths (ascending) as one model
+    (:func:`~pipeline.kv.kvzap_model.per_length_model`), with each file's mean fit and settings by length,
+    for :func:`write_kvzap` (how the shipped SmolLM2 file is made)."""
+    metas = [read_metadata(path) for path in paths]
+    model = per_length_model([read_kvzap(path, meta) for path, meta in zip(paths, metas)], lengths)
+    fit = {"per_length": {str(n): meta["fit"].get("mean") for n, meta in zip(lengths, metas)}}
+    settings = {"per_length": {str(n): meta["settings"] for n, meta in zip(lengths, metas)}}
+    return model, fit, settings
 
 
 def shipped_kvzap(model_name: str) -> Path | None:

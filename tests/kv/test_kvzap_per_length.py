@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pipeline.engine.kvzap_file import load_kvzap, model_fingerprint, write_kvzap
+from pipeline.engine.kvzap_file import load_kvzap, model_fingerprint, per_length_file, write_kvzap
 from pipeline.kv.attention.registered import register
 from pipeline.kv.compress import Compressor
 from pipeline.kv.config import CompressionConfig
@@ -89,3 +89,19 @@ def test_file_round_trip_and_bad_shapes_are_refused(tmp_path):
         KVzapModel("linear", dict(kvzap.tensors), kvzap.shares[0], kvzap.share_sizes)
     with pytest.raises(ValueError, match="one pooled linear predictor"):
         per_length_model([short, tiny_kvzap_for(model, seed=5, lengths=(8, 32), positions=False)], [8, 32])
+
+
+def test_per_length_file_combines_files_with_their_fit_and_settings(tmp_path):
+    model = tiny_model("llama", seed=2)
+    short, long = (tiny_kvzap_for(model, seed=s, lengths=None, positions=False) for s in (3, 4))
+    paths = [
+        write_kvzap(tmp_path / f"{n}.safetensors", m, "tiny", model_fingerprint(model), {"mean": {"r2": n}}, {"n": n})
+        for n, m in ((N - PAD, short), (N, long))
+    ]
+    combined, fit, settings = per_length_file(paths, [N - PAD, N])
+    expected = per_length_model([short, long], [N - PAD, N])
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(combined.tensors[name], expected.tensors[name].cpu())
+    torch.testing.assert_close(combined.shares, expected.shares.cpu())
+    assert fit == {"per_length": {str(N - PAD): {"r2": N - PAD}, str(N): {"r2": N}}}
+    assert settings == {"per_length": {str(N - PAD): {"n": N - PAD}, str(N): {"n": N}}}

@@ -16,8 +16,8 @@ import math
 import sys
 from pathlib import Path
 
+from pipeline.engine.kvzap_file import per_length_file, read_metadata, write_kvzap
 from pipeline.engine.kvzap_file import read_kvzap as read
-from pipeline.engine.kvzap_file import read_metadata, write_kvzap
 from pipeline.kv.kvzap_model import KVzapModel, per_length_model
 
 PER_LENGTH = Path(__file__).parent.parent / "kvzap-per-length"
@@ -26,11 +26,7 @@ POOLED, FOUR_K = PER_LENGTH / "kvzap-pooled.safetensors", PER_LENGTH / "kvzap-40
 
 def with_four_k(short: Path) -> tuple[KVzapModel, dict, dict]:
     """``short`` read at 2,048 tokens and the 4K file at 4,096 (``../kvzap-per-length/make_h.py``'s construction)."""
-    combined = per_length_model([read(short), read(FOUR_K)], [2048, 4096])
-    short_meta, long_meta = read_metadata(short), read_metadata(FOUR_K)
-    fit = {"per_length": {"2048": short_meta["fit"].get("mean"), "4096": long_meta["fit"].get("mean")}}
-    settings = {"per_length": {"2048": short_meta["settings"], "4096": long_meta["settings"]}}
-    return combined, fit, settings
+    return per_length_file([short, FOUR_K], [2048, 4096])
 
 
 def write(out: str, model: KVzapModel, fit: dict, settings: dict) -> None:
@@ -60,12 +56,12 @@ def mixed(a: KVzapModel, b: KVzapModel, t: float) -> KVzapModel:
 def z3(two_k: Path, three_k: Path, out: str) -> None:
     from pipeline.kv.kvzap_model import per_size_model  # the per-size format: at 2192ef1, removed since
 
-    lengths, metas = [2048, 3072, 4096], [read_metadata(f) for f in (two_k, three_k, FOUR_K)]
-    small = per_length_model([read(two_k), read(three_k), read(FOUR_K)], lengths)
+    lengths = [2048, 3072, 4096]
+    small, small_fit, small_settings = per_length_file([two_k, three_k, FOUR_K], lengths)
     pooled, four_k = read(POOLED), read(FOUR_K)
     large = per_length_model([pooled, mixed(pooled, four_k, math.log(1.5) / math.log(2)), four_k], lengths)
-    fit = {"per_size": {"0.1": {str(n): m["fit"].get("mean") for n, m in zip(lengths, metas)}, "0.2": "shipped (H)"}}
-    settings = {"per_size": {"0.1": {str(n): m["settings"] for n, m in zip(lengths, metas)}, "0.2": "shipped (H)"}}
+    fit = {"per_size": {"0.1": small_fit, "0.2": "shipped (H)"}}
+    settings = {"per_size": {"0.1": small_settings, "0.2": "shipped (H)"}}
     write(out, per_size_model([small, large], [0.1, 0.2]), fit, settings)
 
 
