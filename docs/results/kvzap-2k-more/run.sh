@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# README.md's runs, from a worktree (outputs under /tmp/more2k). Usage: run.sh STEP
+# STEP calibrate: the 2K file from 48 documents; STEP m: candidate M (make_m.py);
+# STEP seed0 / seed1 / 3k: M alone on the 2K seed-0 and seed-1 sets and the 3K set (the shipped file's rows are stored);
+# STEP seed3: M and the shipped file side by side on 60 new 2K documents (seed 3).
+PY=/work/main/.venv/bin/python
+export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD
+T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
+T4=niah_multikey_1,niah_multivalue,niah_single_3,niah_single_2,niah_single_1
+O=/tmp/more2k; mkdir -p $O; HERE=docs/results/kvzap-2k-more
+M="criticalkv-shares-kvzap[kvzap_model=$O/kvzap-m.safetensors]"
+sweep() {  # length seed tasks methods output
+  $PY jobs/eval_compression.py --tasks $3 --length $1 --samples 10 --seed $2 --methods "$4" --cache-sizes 0.1,0.2,0.4 \
+    --max-new-tokens 48 --settings-per-decode 16 --output $5 > $5.log 2>&1; echo "$5 rc=$?"; date
+}
+date
+case "$1" in
+  calibrate) $PY jobs/calibrate_kvzap.py --lengths 2048 --documents 48 --sample-tokens 384 \
+      --output $O/kvzap-2048-48.safetensors > $O/calibrate-2048-48.log 2>&1; echo "calibrate rc=$?" ;;
+  m) $PY $HERE/make_m.py $O/kvzap-2048-48.safetensors $O/kvzap-m.safetensors ;;
+  seed0) sweep 2048 0 $T2 "$M" $O/m-2k-seed0 ;;
+  seed1) sweep 2048 1 $T2 "$M" $O/m-2k-seed1 ;;
+  3k) sweep 3072 0 $T4 "$M" $O/m-3k ;;
+  seed3) sweep 2048 3 $T2 "$M,criticalkv-shares-kvzap" $O/m-2k-seed3 ;;
+esac
+echo ALLDONE
