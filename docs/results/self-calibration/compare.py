@@ -3,7 +3,7 @@ tasks), mean answer NLL Δ, and a two-sided sign test on the NLL Δ; optionally 
 KVzap file was not calibrated on.
 
     python docs/results/self-calibration/compare.py A/data B/data [--method-a NAME] [--method-b NAME]
-        [--exclude-calibrated FILE]
+        [--exclude-calibrated FILE] [--by-task]
 
 ``A`` holds ``criticalkv-shares-kvzap`` rows (the file under test); ``B`` the same method's rows of the
 reference, or ``--method-b`` (e.g. ``criticalkv-layer-kvzip``). Both sweeps must hold the same documents.
@@ -53,6 +53,28 @@ def calibrated_on(path: str) -> set[str]:
         return set(json.loads(handle.metadata()["settings"]).get("documents") or [])
 
 
+def report_full_cache_differences(full_a: dict, full_b: dict) -> None:
+    """Say whether the two sweeps' full-cache rows agree (same prediction, same answer NLL)."""
+    shared = sorted(set(full_a) & set(full_b))
+    differ = [
+        d
+        for d in shared
+        if full_a[d]["prediction"] != full_b[d]["prediction"]
+        or abs((full_a[d]["answer_nll"] or 0.0) - (full_b[d]["answer_nll"] or 0.0)) > 1e-4
+    ]
+    print(f"full cache: {len(shared)} shared documents, {len(differ)} differ:", differ[:5])
+
+
+def print_by_task(a: dict, b: dict, docs: list[str]) -> None:
+    """Per task: mean of A's NLL delta minus B's, and how many documents A made better."""
+    by_task = defaultdict(list)
+    for doc in docs:
+        by_task[a[doc]["task"]].append(a[doc]["answer_nll_delta"] - b[doc]["answer_nll_delta"])
+    for task, diffs in sorted(by_task.items()):
+        better = sum(x < -1e-9 for x in diffs)
+        print(f"    {task}: {sum(diffs) / len(diffs):+.3f}, better in {better} of {len(diffs)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("a")
@@ -60,9 +82,11 @@ def main() -> None:
     parser.add_argument("--method-a", default=METHOD, help="A's method column (a variant: NAME[knob=value])")
     parser.add_argument("--method-b", default=METHOD)
     parser.add_argument("--exclude-calibrated", help="a KVzap file: leave out the documents it was calibrated on")
+    parser.add_argument("--by-task", action="store_true", help="also A's NLL delta minus B's per task")
     args = parser.parse_args()
     full_a, cells_a = load(args.a, args.method_a)
     full_b, cells_b = load(args.b, args.method_b)
+    report_full_cache_differences(full_a, full_b)
     skip = calibrated_on(args.exclude_calibrated) if args.exclude_calibrated else set()
     for size in sorted(cells_a):
         a, b = cells_a[size], cells_b.get(size, {})
@@ -77,6 +101,8 @@ def main() -> None:
             f"{score_ratio(b, full_b, docs):.2f}; NLL delta {nll_a:.3f} vs {nll_b:.3f}; A worse in {worse}, "
             f"better in {better}, sign test p = {sign_p(worse, better):.3f}; largest kept bytes {kept:.4f}"
         )
+        if args.by_task:
+            print_by_task(a, b, docs)
 
 
 if __name__ == "__main__":
