@@ -3,12 +3,15 @@
 # STEP calibrate: the 2K file from 48 documents; STEP m: candidate M (make_m.py);
 # STEP seed0 / seed1 / 3k: M alone on the 2K seed-0 and seed-1 sets and the 3K set (the shipped file's rows are stored);
 # STEP seed3: M and the shipped file side by side on 60 new 2K documents (seed 3).
+# Round 2: STEP calibrate-p: the pooled calibration with 48 2K documents; STEP p: candidate P; STEP p-seed0,
+# p-seed1, p-3k, p-seed3: as round 1's steps with P.
 PY=/work/main/.venv/bin/python
 export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD
 T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
 T4=niah_multikey_1,niah_multivalue,niah_single_3,niah_single_2,niah_single_1
 O=/tmp/more2k; mkdir -p $O; HERE=docs/results/kvzap-2k-more
 M="criticalkv-shares-kvzap[kvzap_model=$O/kvzap-m.safetensors]"
+P="criticalkv-shares-kvzap[kvzap_model=$O/kvzap-p.safetensors]"
 sweep() {  # length seed tasks methods output
   $PY jobs/eval_compression.py --tasks $3 --length $1 --samples 10 --seed $2 --methods "$4" --cache-sizes 0.1,0.2,0.4 \
     --max-new-tokens 48 --settings-per-decode 16 --output $5 > $5.log 2>&1; echo "$5 rc=$?"; date
@@ -22,5 +25,12 @@ case "$1" in
   seed1) sweep 2048 1 $T2 "$M" $O/m-2k-seed1 ;;
   3k) sweep 3072 0 $T4 "$M" $O/m-3k ;;
   seed3) sweep 2048 3 $T2 "$M,criticalkv-shares-kvzap" $O/m-2k-seed3 ;;
+  calibrate-p) $PY jobs/calibrate_kvzap.py --lengths 512,1024,2048,4096 --documents 16,16,48,8 --sample-tokens 384 \
+      --output $O/kvzap-pooled-more2k.safetensors > $O/calibrate-pooled-more2k.log 2>&1; echo "calibrate-p rc=$?" ;;
+  p) $PY $HERE/make_m.py --pooled $O/kvzap-pooled-more2k.safetensors $O/kvzap-p.safetensors ;;
+  p-seed0) sweep 2048 0 $T2 "$P" $O/p-2k-seed0 ;;
+  p-seed1) sweep 2048 1 $T2 "$P" $O/p-2k-seed1 ;;
+  p-3k) sweep 3072 0 $T4 "$P" $O/p-3k ;;
+  p-seed3) sweep 2048 3 $T2 "$P,criticalkv-shares-kvzap" $O/p-2k-seed3 ;;
 esac
 echo ALLDONE
