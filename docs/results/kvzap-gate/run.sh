@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# README.md's runs, from a worktree (outputs under /tmp/gate). Usage: run.sh STEP
+# STEP collect: training pairs (KVzip's own scores); STEP train: the gate file; STEP seed0: both candidates on
+# the 2K seed-0 set (the shipped file's rows are stored in ../kvzap-per-length/round2-2k).
+PY=/work/main/.venv/bin/python
+export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD
+T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
+O=/tmp/gate; mkdir -p $O; HERE=docs/results/kvzap-gate
+GL="criticalkv-layer-kvzap[kvzap_model=$O/gate.safetensors,first_stage_ratio=0.5]"
+GS="criticalkv-shares-kvzap[kvzap_model=$O/gate.safetensors,first_stage_ratio=0.5]"
+sweep() {  # length seed tasks methods output
+  $PY jobs/eval_compression.py --tasks $3 --length $1 --samples 10 --seed $2 --methods "$4" --cache-sizes 0.1,0.2,0.4 \
+    --max-new-tokens 48 --settings-per-decode 16 --output $5 > $5.log 2>&1; echo "$5 rc=$?"; date
+}
+date
+case "$1" in
+  collect) $PY $HERE/collect.py $O/targets.pt > $O/collect.log 2>&1; echo "collect rc=$?" ;;
+  train) $PY $HERE/train_gate.py $O/targets.pt $O/gate.safetensors > $O/train.log 2>&1; echo "train rc=$?" ;;
+  seed0) sweep 2048 0 $T2 "$GL,$GS" $O/g-2k-seed0 ;;
+esac
+echo ALLDONE
