@@ -2,11 +2,11 @@
 # README.md's runs, from a worktree (outputs under /tmp/gate). Usage: run.sh STEP
 # STEP collect: training pairs (KVzip's own scores); STEP train: the gate file; STEP seed0: both candidates on
 # the 2K seed-0 set (the shipped file's rows are stored in ../kvzap-per-length/round2-2k); STEP seed1 / 3k METHODS:
-# the candidates still standing on the next two sets of the rule.
+# the candidates still standing on the next two sets of the rule; STEP 4k / 4k1 / summaries METHODS: #52's 4K sets.
 PY=/work/main/.venv/bin/python
 export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD
 T2=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery
-T3=niah_multikey_1,niah_multivalue,niah_single_3,niah_single_2,niah_single_1
+T4=niah_multikey_1,niah_multivalue,niah_single_3,niah_single_2,niah_single_1
 O=/tmp/gate; mkdir -p $O; HERE=docs/results/kvzap-gate
 GL="criticalkv-layer-kvzap[kvzap_model=$O/gate.safetensors,first_stage_ratio=0.5]"
 GS="criticalkv-shares-kvzap[kvzap_model=$O/gate.safetensors,first_stage_ratio=0.5]"
@@ -20,6 +20,11 @@ case "$1" in
   train) $PY $HERE/train_gate.py $O/targets.pt $O/gate.safetensors > $O/train.log 2>&1; echo "train rc=$?" ;;
   seed0) sweep 2048 0 $T2 "$GL,$GS" $O/g-2k-seed0 ;;
   seed1) sweep 2048 1 $T2 "$2" $O/g-2k-seed1 ;;  # $2: the candidates still standing (shipped rows: ../kvzap-bounded/round2-2k-seed1)
-  3k) sweep 3072 0 $T3 "$2" $O/g-3k-seed0 ;;  # shipped rows: ../kvzap-per-length/round2-3k
+  3k) sweep 3072 0 $T4 "$2" $O/g-3k-seed0 ;;  # shipped rows: ../kvzap-per-length/round2-3k
+  4k) sweep 4096 0 $T4 "$2" $O/g-4k-seed0 ;;  # shipped rows: ../kvzap-per-length/sweep-4k (the 4K file, what H reads)
+  4k1) sweep 4096 1 $T4 "$2" $O/g-4k-seed1 ;;  # shipped rows: ../kvzap-per-length/sweep-4k-seed1
+  summaries) $PY jobs/eval_compression.py --tasks summary_essay --length 4096 --samples 14 --methods "$2" \
+      --cache-sizes 0.2,0.4 --max-new-tokens 256 --settings-per-decode 16 --output $O/g-summaries \
+      > $O/g-summaries.log 2>&1; echo "summaries rc=$?"; date ;;
 esac
 echo ALLDONE
