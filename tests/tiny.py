@@ -115,12 +115,6 @@ def tiny_kvzap(
             "weight": torch.randn(num_layers, num_kv_heads, hidden, generator=g),
             "bias": torch.randn(num_layers, num_kv_heads, generator=g),
         }
-    elif kind == "gate":
-        from pipeline.kv.kvzap_gate import init_gate
-
-        tensors = {name: t.detach() for name, t in init_gate(num_layers, hidden, num_kv_heads, 2, 4, 3, seed).items()}
-        tensors["sink_keys"] = torch.randn(num_layers, num_kv_heads, 3, 4, generator=g)
-        tensors["gate_bias"] = torch.randn(num_layers, num_kv_heads, 2, generator=g)
     else:
         width = 8
         tensors = {
@@ -129,7 +123,7 @@ def tiny_kvzap(
             "w2": torch.randn(num_layers, num_kv_heads, width, generator=g),
             "b2": torch.randn(num_layers, num_kv_heads, generator=g),
         }
-    if positions and kind != "gate":
+    if positions:
         tensors["position_weight"] = torch.randn(num_layers, num_kv_heads, 3, generator=g)
     tables = 1 if lengths is None else len(lengths)
     shares = torch.rand(tables, 3, num_layers, num_kv_heads, generator=g) * 2 + 0.05

@@ -75,15 +75,12 @@ def _global_shares(scores: list[torch.Tensor], key_pos: torch.Tensor, sizes: lis
 
 
 @torch.inference_mode()
-def document_targets(
-    engine, doc: dict, sample_tokens: int, share_sizes: list[float], seed: int, kvzip_plus: bool = True
-) -> DocumentTargets:
+def document_targets(engine, doc: dict, sample_tokens: int, share_sizes: list[float], seed: int) -> DocumentTargets:
     """Training pairs of one calibration document (see the module docstring). ``engine`` prefills in one
-    forward (``layerwise_prefill=0``): a layer-by-layer prefill records each layer's input a slice at a time.
-    ``kvzip_plus=False`` takes KVzip's own scores (max attention, in [0, 1]) as the targets instead."""
+    forward (``layerwise_prefill=0``): a layer-by-layer prefill records each layer's input a slice at a time."""
     if engine.context_prefill.layer_slice:
         raise ValueError("calibration targets need a one-forward prefill: load the model with layerwise_prefill=0")
-    config = CompressionConfig(method="layer-kvzip", cache_size=0.5, kvzip_plus=kvzip_plus)
+    config = CompressionConfig(method="layer-kvzip", cache_size=0.5, kvzip_plus=True)
     request = Request(doc["doc_id"], doc["context"], ["Summarize."])
     rows = engine._rows_for(request)[:1]
     cache = engine.new_cache(Compressor(config))
@@ -92,7 +89,7 @@ def document_targets(
         engine.prefill(rows, cache, passes=False)
     held = cache.prefill.awaiting_passes  # every layer's dense prefill, for the passes run here (KVzip+)
     scores = engine.reconstruction.scores(
-        [rows[0].prompt.context_ids], [rows[0].prompt.prefix_tokens], held, config.reconstruction_chunk, kvzip_plus
+        [rows[0].prompt.context_ids], [rows[0].prompt.prefix_tokens], held, config.reconstruction_chunk, True
     )
     key_pos = held[0].key_pos
     shares = _global_shares(scores, key_pos, share_sizes, config.window)

@@ -7,9 +7,7 @@ log-score per KV head: ``s_i = log max_{j, g} a_ji^g * ||V_i W_O^g||_2 / ||h_j||
 reconstruction queries j and the query heads g of the KV group). Two kinds:
 
 * ``linear``: ``s = h @ weight[l].T + bias[l]`` (ridge regression, closed form);
-* ``mlp``: ``s = gelu(h @ w1[l].T + b1[l]) @ w2[l].T + b2[l]`` (hidden width M);
-* ``gate`` (experimental): ``s = log gate`` of a Fast-KVzip-style gate trained on KVzip's own scores
-  (:mod:`pipeline.kv.kvzap_gate`).
+* ``mlp``: ``s = gelu(h @ w1[l].T + b1[l]) @ w2[l].T + b2[l]`` (hidden width M).
 
 Either kind may add a term in the entry's place in the context, ``position_weight[l] @ f(p, n)``
 with ``f = (log(1 + p), log(1 + n - 1 - p), log n)`` (p the entry's position, n the row's context
@@ -41,9 +39,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
 
-from .kvzap_gate import GATE_TENSORS, gate_log_scores
-
-KINDS = ("linear", "mlp", "gate")
+KINDS = ("linear", "mlp")
 POSITION_FEATURES = 3  # log(1 + p), log(1 + distance to the context's end), log(context length)
 
 
@@ -82,7 +78,7 @@ class KVzapModel:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"KVzap kind must be one of {KINDS}, got {self.kind!r}")
-        needed = {"linear": ("weight", "bias"), "mlp": ("w1", "b1", "w2", "b2"), "gate": GATE_TENSORS}[self.kind]
+        needed = ("weight", "bias") if self.kind == "linear" else ("w1", "b1", "w2", "b2")
         missing = [name for name in needed if name not in self.tensors]
         if missing:
             raise ValueError(f"KVzap {self.kind} model lacks tensors {missing}")
@@ -173,8 +169,6 @@ class KVzapModel:
         if self.per_length:
             out = torch.einsum("bnd,khd->bkhn", h, t["weight"][:, layer_idx].float())
             return out + t["bias"][:, layer_idx].float()[None, :, :, None]
-        if self.kind == "gate":
-            return gate_log_scores(t, layer_idx, h)
         if self.kind == "linear":
             out = torch.matmul(h, t["weight"][layer_idx].T) + t["bias"][layer_idx]
         else:

@@ -3,6 +3,7 @@ the rank correlation with KVzip's own score inside each document (per layer and 
 overlap of the global top-k over every layer and head with KVzip's own, for the gate file and the
 shipped predictor (which is fitted to KVzip+ log-scores, not to KVzip's own: a reference point only).
 
+Runs from a worktree of `fdacbbe` (the gate kind was removed from the pipeline after the verdict).
 Usage: PYTHONPATH=. python docs/results/kvzap-gate/diagnose.py TARGETS.pt GATE.safetensors
 """
 
@@ -44,7 +45,8 @@ def main() -> None:
             spear.append(sum(train_gate._spearman(p, t) for p, t in pairs) / true[..., 0].numel())
             for f in train_gate.FRACTIONS:
                 k = max(1, int(f * true.numel()))
-                mine, theirs = set(pred.flatten().topk(k).indices.tolist()), set(true.flatten().topk(k).indices.tolist())
+                mine = set(pred.flatten().topk(k).indices.tolist())
+                theirs = set(true.flatten().topk(k).indices.tolist())
                 top[f].append(len(mine & theirs) / k)
         out[name] = {
             "spearman_in_document": round(sum(spear) / len(spear), 4),

@@ -9,6 +9,7 @@ held out (seeded); the report gives their cross-entropy, the per-head rank corre
 document, and how much of KVzip's own global top-k over every layer and head the gate's global
 top-k finds (the comparability across layers that the gate is meant to give).
 
+Runs from a worktree of `fdacbbe` (the gate kind was removed from the pipeline after the verdict).
 Usage: PYTHONPATH=. python docs/results/kvzap-gate/train_gate.py TARGETS.pt OUT.safetensors
 """
 
