@@ -26,5 +26,8 @@ case "$1" in
   summaries) $PY jobs/eval_compression.py --tasks summary_essay --length 4096 --samples 14 --methods "$2" \
       --cache-sizes 0.2,0.4 --max-new-tokens 256 --settings-per-decode 16 --output $O/g-summaries \
       > $O/g-summaries.log 2>&1; echo "summaries rc=$?"; date ;;
+  summaries-ridge) $PY jobs/eval_compression.py --tasks summary_essay --length 4096 --samples 14 \
+      --methods criticalkv-layer-kvzap --cache-sizes 0.2 --max-new-tokens 256 --settings-per-decode 16 \
+      --output $O/ridge-layer-summaries > $O/ridge-layer-summaries.log 2>&1; echo "summaries-ridge rc=$?"; date ;;
 esac
 echo ALLDONE
