@@ -3,7 +3,7 @@
 shipped file's calibration documents (seed 0, 16 per length at 512 / 1,024 / 2,048 / 4,096 tokens:
 the pooled file's 56 plus the 4K file's 8 more).
 
-Runs from a worktree of `fdacbbe` (the gate kind was removed from the pipeline after the verdict).
+Needs the pipeline of `fdacbbe` (the gate kind was removed after the verdict; see `run.sh`).
 Usage: PYTHONPATH=. python docs/results/kvzap-gate/collect.py OUT.pt [--sample-tokens 1024]
 Writes a list of dicts (doc_id, kind, length, tokens, hidden (L, m, D) float16, scores (L, H_kv, m)
 float32 KVzip scores, positions (m,)).

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# README.md's runs, from a worktree of fdacbbe (outputs under /tmp/gate; the gate kind was removed after the verdict). Usage: run.sh STEP
+# README.md's runs (outputs under /tmp/gate). The gate kind was removed after the verdict: run this folder's scripts
+# from a worktree of fdacbbe (git worktree add W fdacbbe; copy this folder over W's). Usage: run.sh STEP
 # STEP collect: training pairs (KVzip's own scores); STEP train: the gate file; STEP seed0: both candidates on
 # the 2K seed-0 set (the shipped file's rows are stored in ../kvzap-per-length/round2-2k); STEP seed1 / 3k METHODS:
 # the candidates still standing on the next two sets of the rule; STEP 4k / 4k1 / summaries METHODS: #52's 4K sets.

@@ -9,7 +9,7 @@ held out (seeded); the report gives their cross-entropy, the per-head rank corre
 document, and how much of KVzip's own global top-k over every layer and head the gate's global
 top-k finds (the comparability across layers that the gate is meant to give).
 
-Runs from a worktree of `fdacbbe` (the gate kind was removed from the pipeline after the verdict).
+Needs the pipeline of `fdacbbe` (the gate kind was removed after the verdict; see `run.sh`).
 Usage: PYTHONPATH=. python docs/results/kvzap-gate/train_gate.py TARGETS.pt OUT.safetensors
 """
 
@@ -25,6 +25,7 @@ import time
 import torch
 
 from pipeline.engine.kvzap_file import read_kvzap, read_metadata, shipped_kvzap, write_kvzap
+from pipeline.eval.kvzap_calibration import fit_quality
 from pipeline.kv.kvzap_gate import RMS_EPS, gate_log_scores, init_gate
 from pipeline.kv.kvzap_model import KVzapModel
 
@@ -105,9 +106,17 @@ def train(docs: list[dict], groups: int, steps: int, batch: int, lr: float, seed
     return {name: t.detach() for name, t in tensors.items()}
 
 
-def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra, rb = a.argsort().argsort().double(), b.argsort().argsort().double()
-    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+def ranking(pred: torch.Tensor, true: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """One document's (L, H, m) predictions against KVzip's scores: the rank correlation inside the document
+    (mean over layers and KV heads, :func:`fit_quality`'s) and, per kept fraction, the overlap of the
+    global top-k over every layer and head with KVzip's own."""
+    spearman = fit_quality(pred.flatten(0, 1), true.flatten(0, 1))["spearman"]
+    overlap = {}
+    for f in FRACTIONS:
+        k = max(1, int(f * true.numel()))
+        mine, theirs = pred.flatten().topk(k).indices, true.flatten().topk(k).indices
+        overlap[str(f)] = len(set(mine.tolist()) & set(theirs.tolist())) / k
+    return spearman, overlap
 
 
 @torch.no_grad()
@@ -117,13 +126,10 @@ def report(tensors, held: list[dict]) -> dict:
         pred = all_layers(tensors, d["hidden"].float())  # (L, H, m)
         true = d["scores"].clamp(0, 1)
         out["bce"].append(float(bce(pred, true).mean()))
-        out["spearman"].append(
-            sum(_spearman(p, t) for p, t in zip(pred.flatten(0, 1), true.flatten(0, 1))) / true[..., 0].numel()
-        )
-        for f in FRACTIONS:
-            k = max(1, int(f * true.numel()))
-            mine, theirs = pred.flatten().topk(k).indices, true.flatten().topk(k).indices
-            out["global_top"][str(f)].append(len(set(mine.tolist()) & set(theirs.tolist())) / k)
+        spearman, overlap = ranking(pred, true)
+        out["spearman"].append(spearman)
+        for f, value in overlap.items():
+            out["global_top"][f].append(value)
     mean = lambda v: round(sum(v) / len(v), 4)  # noqa: E731
     return {"bce": mean(out["bce"]), "spearman_in_document": mean(out["spearman"]),
             "global_top_overlap": {f: mean(v) for f, v in out["global_top"].items()}}  # fmt: skip
